@@ -1,0 +1,204 @@
+"""Frozen configuration handed down from the boundary (CLI / offline API) to each part."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent rope scaling ("rope_type": "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder. Qwen2 is `qkv_bias=True`."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], name: str = "llama") -> ModelConfig:
+        """Build from a Hugging Face `config.json` dict (Llama, Mistral, Qwen2)."""
+        num_heads = hf["num_attention_heads"]
+        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        scaling = None
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            )
+        elif rope_type not in ("default", None):
+            raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        model_type = hf.get("model_type", "llama")
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            qkv_bias=hf.get("attention_bias", model_type == "qwen2"),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=name,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The inverse of `from_hf`: a `config.json` dict transformers' LlamaForCausalLM reads."""
+        hf: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.qkv_bias,
+            "hidden_act": "silu",
+        }
+        if self.rope_scaling is not None:
+            hf["rope_scaling"] = {"rope_type": "llama3", **self.rope_scaling.__dict__}
+        if self.bos_token_id is not None:
+            hf["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            hf["eos_token_id"] = list(self.eos_token_ids)
+        return hf
+
+
+# Shapes for `load_format="dummy"` (random weights), like vLLM's `--load-format dummy`.
+NAMED_SHAPES: dict[str, ModelConfig] = {
+    "llama-3-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
+        rope_theta=500000.0, eos_token_ids=(128001, 128009), name="llama-3-8b",
+    ),
+    "llama-3.2-1b": ModelConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+        num_heads=32, num_kv_heads=8, head_dim=64, max_position_embeddings=131072,
+        rope_theta=500000.0, tie_word_embeddings=True, eos_token_ids=(128001,),
+        rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192), name="llama-3.2-1b",
+    ),
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+        num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
+        rope_theta=100000.0, tie_word_embeddings=True, eos_token_ids=(2,),
+        name="smollm2-135m",
+    ),
+    "tiny": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048,
+        eos_token_ids=(), name="tiny",
+    ),
+}
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Number of KV blocks. None: size from `kv_cache_memory_fraction` (cuda) or
+    # `kv_cache_bytes` (cpu).
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 1 << 30
+    kv_cache_memory_fraction: float = 0.85
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    # Token budget per step; prompts longer than what is left are chunked.
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    load_format: str = "auto"  # auto | gguf | hf | dummy
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def with_scheduler(self, **changes: Any) -> EngineConfig:
+        return replace(self, scheduler=replace(self.scheduler, **changes))
