@@ -66,6 +66,8 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         model_type = hf.get("model_type", "llama")
+        if model_type != "qwen2" and hf.get("attention_bias"):
+            raise ValueError("attention_bias (a bias on o_proj too) is not supported")
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -79,7 +81,7 @@ class ModelConfig:
             rope_theta=float(theta),
             rope_scaling=scaling,
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            qkv_bias=hf.get("attention_bias", model_type == "qwen2"),
+            qkv_bias=model_type == "qwen2",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
@@ -88,8 +90,9 @@ class ModelConfig:
     def to_hf(self) -> dict[str, Any]:
         """The inverse of `from_hf`: a `config.json` dict transformers' LlamaForCausalLM reads."""
         hf: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            # Qwen2 is Llama with a bias on q, k and v.
+            "architectures": ["Qwen2ForCausalLM" if self.qkv_bias else "LlamaForCausalLM"],
+            "model_type": "qwen2" if self.qkv_bias else "llama",
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -101,7 +104,6 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.qkv_bias,
             "hidden_act": "silu",
         }
         if self.rope_scaling is not None:

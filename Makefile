@@ -1,0 +1,11 @@
+# The README's two commands: `make run` and `make test`.
+.PHONY: setup run test
+
+setup:
+	bash scripts/setup.sh
+
+run: setup
+	.venv/bin/tandem generate --prompt "What is the capital of France?"
+
+test: setup
+	bash scripts/test.sh

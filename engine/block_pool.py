@@ -1,0 +1,118 @@
+"""Refcounted KV blocks, an LRU queue of free blocks, and the prefix-cache map.
+
+Invariants:
+- a block is in the free queue iff its ref_cnt is 0;
+- a free block keeps its hash (and so stays a cache hit) until it is reallocated;
+- the free queue pops least-recently-freed first, so cached blocks are evicted LRU.
+Events go to the `on_event` hook; the pool itself knows nothing of who listens.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from tandem.engine.block_hash import BlockHash
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    # The tokens the block holds once cached; a hit re-checks them, so a hash
+    # collision can never hand out the wrong KV.
+    token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    kind: str  # "stored" | "evicted"
+    block_hashes: tuple[BlockHash, ...]
+
+
+EventHook = Callable[[BlockEvent], None]
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, on_event: EventHook | None = None) -> None:
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[BlockHash, Block] = {}
+        self._on_event = on_event
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be allocated now, cached-but-unused ones included."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def allocate(self, n: int) -> list[Block]:
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
+        blocks = [self._free.popitem(last=False)[1] for _ in range(n)]
+        evicted = [h for b in blocks if (h := self._uncache(b)) is not None]
+        for b in blocks:
+            b.ref_cnt = 1
+        if evicted:
+            self._emit("evicted", evicted)
+        return blocks
+
+    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> Block | None:
+        block = self._cached.get(block_hash)
+        if block is None or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def acquire(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on cache hits; a free hit leaves the free queue."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del self._free[b.block_id]
+            b.ref_cnt += 1
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop a reference on each block; pass a request's blocks tail first so its
+        last blocks, the least likely to be shared, are evicted first."""
+        for b in blocks:
+            assert b.ref_cnt > 0, f"double free of block {b.block_id}"
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self._free[b.block_id] = b
+
+    def cache(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+        """Register a full, computed block under its hash (first writer wins)."""
+        if block.block_hash is not None or block_hash in self._cached:
+            return
+        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+        self._cached[block_hash] = block
+        self._emit("stored", [block_hash])
+
+    def reset_prefix_cache(self) -> None:
+        evicted = [h for b in self.blocks if b.ref_cnt == 0 and (h := self._uncache(b))]
+        if evicted:
+            self._emit("evicted", evicted)
+
+    def _uncache(self, block: Block) -> BlockHash | None:
+        h = block.block_hash
+        if h is None:
+            return None
+        del self._cached[h]
+        block.block_hash = block.token_ids = None
+        return h
+
+    def _emit(self, kind: str, hashes: list[BlockHash]) -> None:
+        if self._on_event is not None:
+            self._on_event(BlockEvent(kind, tuple(hashes)))

@@ -1,0 +1,232 @@
+"""One engine: a model on a device, its paged KV cache, scheduler, runner and sampler.
+`step()` is schedule → run → postprocess."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+from tqdm import tqdm
+
+from tandem.engine.block_hash import root_hash
+from tandem.engine.block_pool import BlockPool, EventHook
+from tandem.engine.config import EngineConfig
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.loader import load_model_config, load_tokenizer, load_weights, resolve_model
+from tandem.engine.model_runner import ModelRunner, num_kv_blocks
+from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.sampler import Sampler, SamplerOutput
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.tokenizer import IncrementalDetokenizer, find_stop_string
+
+
+def _resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' asked for, but no CUDA device is available")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r}; use 'cpu' or 'cuda'")
+    return device
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, on_block_event: EventHook | None = None) -> None:
+        self.config = config
+        src = resolve_model(config.model, config.load_format)
+        self.model_name = src.name
+        self.model_config = mc = load_model_config(src)
+        device = _resolve_device(config.device)
+        torch.manual_seed(config.seed)
+        with torch.device(device):
+            model = LlamaForCausalLM(mc).to(config.dtype)
+        if src.kind == "dummy":
+            model.init_dummy_weights(config.seed)
+        else:
+            model.load_weights(load_weights(src, config.dtype))
+        model.eval()
+        self.tokenizer = load_tokenizer(src)
+        eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
+        self.eos_token_ids = tuple(sorted(eos))
+
+        cache = config.cache
+        num_blocks = num_kv_blocks(mc, cache, config.dtype, device)
+        max_len = min(
+            config.scheduler.max_model_len, mc.max_position_embeddings,
+            num_blocks * cache.block_size,
+        )
+        self.max_model_len = max_len
+        pool = BlockPool(num_blocks, on_block_event)
+        dtype_name = str(config.dtype).removeprefix("torch.")
+        kv = KVCacheManager(
+            pool, cache.block_size, root_hash(src.name, dtype_name, cache.block_size),
+            cache.enable_prefix_caching,
+        )
+        self.block_pool = pool
+        self.scheduler = Scheduler(replace(config.scheduler, max_model_len=max_len), kv)
+        self.runner = ModelRunner(model, num_blocks, cache.block_size, Sampler(self.eos_token_ids))
+        self._requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+
+    # --- requests -------------------------------------------------------------------
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Validate and tokenize; raises ValueError naming the problem. Changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self._tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; the context length is "
+                f"{self.max_model_len}, leaving no room to generate"
+            )
+        return Request(request_id, token_ids, params, cache_salt=cache_salt)
+
+    def add(self, req: Request) -> None:
+        self._requests[req.request_id] = req
+        if self.tokenizer is not None:
+            self._detok[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens
+            )
+        self.scheduler.add(req)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> Request:
+        req = self.make_request(request_id, prompt, params, cache_salt)
+        self.add(req)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return RequestOutput.of(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    # --- the loop -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        sampling = batch.sampling_requests()  # before postprocess advances the counts
+        sampled = self.runner.run(batch)
+        self.scheduler.postprocess(batch)
+        return self._append(sampling, sampled)
+
+    def _append(self, reqs: list[Request], sampled: SamplerOutput) -> list[RequestOutput]:
+        outputs = []
+        for req, token, logprobs in zip(reqs, sampled.token_ids, sampled.logprobs):
+            req.output_token_ids.append(token)
+            if logprobs is not None:
+                req.output_logprobs.append(logprobs)
+            delta = self._detokenize(req, token)
+            status = self._check_stop(req, token, delta)
+            if status is not None:
+                self._finish(req, status)
+            outputs.append(RequestOutput.of(req, delta))
+        return outputs
+
+    def _detokenize(self, req: Request, token: int) -> str:
+        detok = self._detok.get(req.request_id)
+        if detok is None:
+            return ""
+        delta = detok.add(token)
+        req.output_text += delta
+        return delta
+
+    def _check_stop(self, req: Request, token: int, delta: str) -> RequestStatus | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if p.stop and delta:
+                cut = find_stop_string(
+                    req.output_text, p.stop, len(delta), p.include_stop_str_in_output
+                )
+                if cut is not None:
+                    req.stop_reason = _matched_stop(
+                        req.output_text, p.stop, cut, p.include_stop_str_in_output
+                    )
+                    req.output_text = req.output_text[:cut]
+                    return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(req, status)
+        del self._requests[req.request_id]
+        self._detok.pop(req.request_id, None)
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.model_name!r} has no tokenizer; pass token ids")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+                raise ValueError("prompt token ids must be integers")
+            bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt token id {bad[0]} is outside the vocabulary "
+                    f"[0, {self.model_config.vocab_size})"
+                )
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        return token_ids
+
+
+def _matched_stop(text: str, stops: Sequence[str], cut: int, included: bool) -> str | None:
+    for s in stops:
+        if (text[:cut].endswith(s) if included else text.startswith(s, cut)):
+            return s
+    return None
+
+
+def run_to_completion(
+    engine: LLMEngine, reqs: list[Request], use_tqdm: bool = False
+) -> dict[str, RequestOutput]:
+    for req in reqs:
+        engine.add(req)
+    done: dict[str, RequestOutput] = {}
+    with tqdm(total=len(reqs), disable=not use_tqdm, desc="generate") as bar:
+        while engine.has_unfinished:
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+    return done

@@ -1,0 +1,41 @@
+"""What the engine hands back per request, shaped like vLLM's outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.engine.request import Request
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    # The stop string or stop token id that ended the request, if any.
+    stop_reason: int | str | None
+    logprobs: list[dict[int, float]] | None
+    # Prompt tokens whose KV came from the prefix cache, not computed.
+    num_cached_tokens: int
+    # Text added since the previous output of this request (for streaming).
+    delta: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def of(cls, req: Request, delta: str = "") -> RequestOutput:
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            text=req.output_text,
+            token_ids=list(req.output_token_ids),
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
+            num_cached_tokens=req.num_cached_tokens,
+            delta=delta,
+        )

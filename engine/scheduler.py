@@ -1,0 +1,112 @@
+"""Continuous batching: running requests first, then admit waiting ones under a
+token budget (chunked prefill), preempting the newest by recompute when blocks run out."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tandem.engine.config import SchedulerConfig
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request]
+    # Tokens each request computes this step, starting at its num_computed_tokens.
+    num_new_tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        """A request samples once this step brings its KV up to its last token."""
+        req = self.requests[i]
+        return req.num_computed_tokens + self.num_new_tokens[i] == req.num_tokens
+
+
+    def sampling_requests(self) -> list[Request]:
+        return [r for i, r in enumerate(self.requests) if self.samples(i)]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # oldest first
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch([], [])
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+        preemptions_before = self.num_preemptions
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(req.num_uncomputed_tokens, budget)
+            while not self.kv.allocate(req, num_new):
+                victim = self.running[-1]
+                if victim.request_id in scheduled:
+                    break  # nothing left to preempt but requests already in the batch
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                batch.requests.append(req)
+                batch.num_new_tokens.append(num_new)
+                scheduled.add(req.request_id)
+                budget -= num_new
+        # Admitting while preempting would only thrash: the victims go first next step.
+        if self.num_preemptions == preemptions_before:
+            self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.kv.find_cached_blocks(req)
+            cached = len(hits) * self.kv.block_size
+            num_new = min(req.num_uncomputed_tokens - cached, budget)
+            if not self.kv.allocate(req, num_new, hits):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def postprocess(self, batch: ScheduledBatch) -> None:
+        """Advance computed counts and cache newly full blocks (before tokens append)."""
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+            self.kv.cache_computed_blocks(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req)
