@@ -146,6 +146,8 @@ class LLMEngine:
                 req.output_logprobs.append(logprobs)
             delta = self._detokenize(req, token)
             status = self._check_stop(req, token, delta)
+            if status is RequestStatus.FINISHED_LENGTH:
+                delta += self._flush_text(req)  # a character cut off mid-way by the limit
             if status is not None:
                 self._finish(req, status)
             outputs.append(RequestOutput.of(req, delta))
@@ -158,6 +160,12 @@ class LLMEngine:
         delta = detok.add(token)
         req.output_text += delta
         return delta
+
+    def _flush_text(self, req: Request) -> str:
+        detok = self._detok.get(req.request_id)
+        rest = detok.flush() if detok is not None else ""
+        req.output_text += rest
+        return rest
 
     def _check_stop(self, req: Request, token: int, delta: str) -> RequestStatus | None:
         p = req.params

@@ -130,9 +130,7 @@ def load_weights(
     hf_dir = hf_model_dir(src, cache_dir)
     cfg = load_model_config(src, cache_dir)
     expected = set(expected_weight_names(cfg))
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {hf_dir}")
+    files = _safetensors_files(hf_dir)
     weights: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     with tqdm(desc=f"Loading {src.name}", unit="tensor", total=len(expected)) as bar:
@@ -154,6 +152,20 @@ def load_weights(
     return weights
 
 
+def _safetensors_files(hf_dir: Path) -> list[Path]:
+    # What transformers reads: the index's shards, else model.safetensors. Some repos (Mistral)
+    # also ship a consolidated.safetensors with other tensor names, which a glob would pick up.
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({hf_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    files = [hf_dir / "model.safetensors"]
+    if not files[0].is_file():
+        files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {hf_dir}")
+    return files
+
+
 def _canonical_name(key: str) -> str:
     # Bare LlamaModel checkpoints omit the `model.` prefix that LlamaForCausalLM adds.
     if key.startswith(("layers.", "embed_tokens.", "norm.")):
@@ -168,12 +180,18 @@ def _ignorable(name: str, cfg: ModelConfig) -> bool:
     )
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def load_tokenizer(src: ModelSource, cache_dir: Path | None = None) -> Tokenizer | None:
+    """None for dummy models and HF directories saved without a tokenizer (token ids only)."""
     if src.kind == "dummy":
+        return None
+    hf_dir = hf_model_dir(src, cache_dir)
+    if not any((hf_dir / f).is_file() for f in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    hf_dir = hf_model_dir(src, cache_dir)
     cfg = load_model_config(src, cache_dir)
     # Our GGUF cache always holds a plain tokenizer.json; skipping AutoTokenizer's class lookup
     # saves ~2 s of imports. HF directories may need their model-specific tokenizer class.
@@ -210,6 +228,7 @@ def _convert_atomically(src: ModelSource, root: Path, out: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
         convert_gguf(src.path, tmp, src.name)
+        tmp.chmod(0o755)  # mkdtemp makes it private; a shared TANDEM_CACHE_DIR needs it readable
         os.rename(tmp, out)
     except OSError:
         if not out.is_dir():  # not merely a concurrent converter that won the rename

@@ -30,15 +30,11 @@ def paged_attention_ref(
     hq, hkv = q.shape[1], kv_cache.shape[3]
     assert hq % hkv == 0, (hq, hkv)
     out = torch.empty_like(q)
-    decode_rows = [b for b in range(len(seq_lens)) if query_start[b + 1] - query_start[b] == 1]
-    if len(decode_rows) > 1:
+    q_lens = [query_start[b + 1] - query_start[b] for b in range(len(seq_lens))]
+    decode_rows = [b for b, n in enumerate(q_lens) if n == 1]
+    if decode_rows:
         _decode_batched(q, kv_cache, block_tables, seq_lens, query_start, scale, decode_rows, out)
-        decode_rows = set(decode_rows)
-    else:
-        decode_rows = set()
-    for b in range(len(seq_lens)):
-        if b in decode_rows:
-            continue
+    for b in (b for b, n in enumerate(q_lens) if n > 1):
         start, end, length = query_start[b], query_start[b + 1], seq_lens[b]
         k = _gather(kv_cache[0], block_tables[b], length)  # [L, Hkv, D]
         v = _gather(kv_cache[1], block_tables[b], length)
@@ -84,13 +80,11 @@ def _decode_batched(
     v = kv_cache[1][table].flatten(1, 2)[:, :max_len]
     qi = torch.tensor([query_start[b] for b in rows], device=dev)
     qd = q[qi]  # [R, Hq, D]
-    # [R, Hkv, G, 1, D] x [R, Hkv, 1, L, D] -> scores [R, Hkv, G, 1, L]
-    qg = qd.view(len(rows), hkv, groups, 1, -1)
-    kg = k.permute(0, 2, 1, 3).unsqueeze(2)
-    vg = v.permute(0, 2, 1, 3).unsqueeze(2)
-    mask = torch.arange(max_len, device=dev)[None, :] < lens[:, None]  # [R, L]
-    o = F.scaled_dot_product_attention(
-        qg, kg.expand(-1, -1, groups, -1, -1), vg.expand(-1, -1, groups, -1, -1),
-        attn_mask=mask[:, None, None, None, :], scale=scale,
-    )
+    # A query group shares its K/V head: [R, Hkv, G, D] against [R, Hkv, L, D], no copies.
+    qg = qd.view(len(rows), hkv, groups, -1)
+    kg, vg = k.transpose(1, 2), v.transpose(1, 2)
+    mask = None
+    if min(seq_lens[b] for b in rows) < max_len:
+        mask = (torch.arange(max_len, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
     out[qi] = o.reshape(len(rows), q.shape[1], -1).to(out.dtype)

@@ -180,3 +180,26 @@ def test_failed_conversion_leaves_no_cache(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="version"):
         load_model_config(src, cache)
     assert list((cache / "gguf").iterdir()) == []
+
+
+def test_hf_directory_sharded_with_index(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    cfg = NAMED_SHAPES["tiny"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    names = expected_weight_names(cfg)
+    shards = {
+        "model-00001-of-00002.safetensors": names[:5],
+        "model-00002-of-00002.safetensors": names[5:],
+    }
+    for file, part in shards.items():
+        save_file({n: torch.zeros(3) for n in part}, str(tmp_path / file))
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    # Mistral-style repos also ship this; transformers (and we) ignore it.
+    save_file({"tok_embeddings.weight": torch.zeros(3)}, str(tmp_path / "consolidated.safetensors"))
+    src = resolve_model(str(tmp_path))
+    assert sorted(load_weights(src, torch.float32)) == sorted(names)
+    assert load_tokenizer(src) is None  # no tokenizer files: token-id prompts only
+    assert load_model_config(src).eos_token_ids == (7, 9)  # generation_config's eos count too
