@@ -1,0 +1,145 @@
+"""The data-plane interface every KV connector implements (tcp, ucx, nccl).
+
+A connector moves *frames*: a small typed header plus at most one contiguous tensor
+payload. Control (reserve, ack, abort) is small and rides in headers; KV bytes ride in
+payloads, one large payload per layer per transfer, never one per block.
+
+Invariants every implementation keeps:
+- frames from one Sender arrive at the Receiver in the order they were sent;
+- `Sender.send` returns only once the payload's memory may be reused by the caller;
+- the Receiver writes an incoming payload into the tensor that `alloc(header)` returns
+  (so bytes land directly in a staging buffer on the right device), then calls
+  `on_frame` with that tensor;
+- a peer that dies or stalls surfaces as `TransferError` on the sender and as
+  `on_error(peer, exc)` on the receiver, never as a hang: every blocking call has a timeout;
+- `on_error(peer, exc)` fires exactly once per connection that ends for any reason other
+  than `Receiver.close()`, a clean close between frames included: a sender SIGKILLed
+  between two frames looks exactly like one that closed, so only the caller, who knows
+  whether a transfer was still open on that peer, can tell whether the end mattered;
+- the Receiver stamps each delivered `Frame.peer` with the id `on_error` and `reply` use;
+- the payload's dtype and shape travel in the header as `dtype` (a torch dtype name,
+  "bfloat16") and `shape` (a list of ints); `Sender.send` adds them (`payload_header`),
+  so callers never have to.
+
+Back channel: a Receiver may `reply(peer, frame)` with small control frames (no payload)
+that the peer's Sender reads with `poll`. The transfer agent uses it to accept or refuse
+a transfer and to tell a sender it was aborted; a connector without one leaves the
+defaults, which raise.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class TransferError(RuntimeError):
+    """A transfer failed: peer unreachable or gone, timeout, abort, or layout mismatch."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    header: dict[str, Any]  # JSON-able: kind, request_id, layer, payload shape/dtype, ...
+    payload: torch.Tensor | None = None
+    # Set by the Receiver on delivery: the connection the frame came in on.
+    peer: str | None = None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise TransferError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def payload_header(frame: Frame) -> dict[str, Any]:
+    """The header as it travels: the caller's keys plus the payload's dtype and shape."""
+    if frame.payload is None:
+        return frame.header
+    return {
+        **frame.header,
+        "dtype": dtype_name(frame.payload.dtype),
+        "shape": list(frame.payload.shape),
+    }
+
+
+def payload_spec(header: dict[str, Any]) -> tuple[torch.dtype, tuple[int, ...]]:
+    """The (dtype, shape) a header announces for its payload."""
+    return dtype_from_name(header["dtype"]), tuple(int(n) for n in header["shape"])
+
+
+# Given an incoming frame's header (which names the payload's shape and dtype), return
+# the tensor its bytes are written into.
+Allocator = Callable[[dict[str, Any]], torch.Tensor]
+FrameHandler = Callable[[Frame], None]
+ErrorHandler = Callable[[str, Exception], None]  # (peer id, error)
+
+
+class Receiver(ABC):
+    @property
+    @abstractmethod
+    def address(self) -> str:
+        """What a Sender connects to, e.g. "tcp://127.0.0.1:5555"."""
+
+    def reply(self, peer: str, frame: Frame) -> None:
+        """Send a small control frame (header only) back to `peer`'s Sender; thread-safe.
+        Raises TransferError if the peer is gone."""
+        raise TransferError(f"{type(self).__name__} has no back channel")
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Sender(ABC):
+    @abstractmethod
+    def send(self, frame: Frame, timeout: float | None = None) -> None: ...
+
+    def poll(self, timeout: float = 0.0) -> Frame | None:
+        """The next frame the Receiver replied with, waiting up to `timeout` seconds;
+        None if none came. Raises TransferError if the Receiver's side is gone."""
+        raise TransferError(f"{type(self).__name__} has no back channel")
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Connector(ABC):
+    name: str
+
+    @abstractmethod
+    def receiver(
+        self,
+        host: str,
+        alloc: Allocator,
+        on_frame: FrameHandler,
+        on_error: ErrorHandler,
+    ) -> Receiver:
+        """Start listening on `host` (a free port is chosen); frames go to `on_frame`."""
+
+    @abstractmethod
+    def sender(self, address: str, connect_timeout: float = 5.0) -> Sender:
+        """Connect to a Receiver; raises TransferError within `connect_timeout` if it can't."""
+
+
+_CONNECTORS = {
+    "tcp": "tandem.kvtransfer.tcp:TcpConnector",
+    "ucx": "tandem.kvtransfer.ucx:UcxConnector",
+    "nccl": "tandem.kvtransfer.nccl:NcclConnector",
+}
+
+
+def get_connector(name: str, **options: Any) -> Connector:
+    """The connector called `name`, imported only when asked for."""
+    if name not in _CONNECTORS:
+        raise ValueError(f"unknown connector {name!r}; choose one of {sorted(_CONNECTORS)}")
+    module, cls = _CONNECTORS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(**options)
