@@ -1,0 +1,381 @@
+"""The receiving side of KV transfers: reservations (sinks) that senders push KV into.
+
+Protocol, per request, on one sender connection (kinds below):
+
+    sender -> begin {request_id, layout, num_blocks}   receiver checks the layout
+    sender <- accept | abort {reason, error}           no data moves before accept
+    sender -> layer {request_id, layer} + payload       scattered as it lands; ready after the last
+    sender -> end                                       "that was all"
+    sender <- done | abort {reason}
+    sender -> abort {reason}                            at any time: the sender gave up
+    sender <- abort {reason}                            at any time: receiver abort or TTL
+
+A reservation owns its block ids from `reserve` until it is released to the caller
+(`release`, after ready) or fails. It fails, and `free_blocks` is called exactly once, on
+TTL expiry before ready, on `abort` here, on an abort frame, on a layout or protocol
+error, when the sender's connection ends before ready (at disconnect, not at the TTL),
+or on `close()`. The TTL runs from `reserve` to ready; a ready sink has none and waits
+for `release` or `abort` (the caller's request owns it by then). Failed and released
+reservations stay visible to `status` for `keep_s`; a retry may reserve the same id again.
+
+Locks: `_lock` guards the table; a sink's `write_lock` is held while a layer is
+scattered into its blocks, and failing a sink takes it first, so blocks are never freed
+to the caller's pool while still being written. Order: write_lock, then _lock.
+Callbacks (`free_blocks`, `on_ready`, `on_failed`) run with no lock held.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from tandem.kvtransfer.connector import Connector, Frame, TransferError, payload_spec
+from tandem.kvtransfer.layout import KVLayout, LayoutMismatch
+from tandem.kvtransfer.staging import StagingPool, scatter_blocks
+
+log = logging.getLogger(__name__)
+
+BEGIN, LAYER, END, ABORT, ACCEPT, DONE = "begin", "layer", "end", "abort", "accept", "done"
+LAYOUT_MISMATCH = "layout_mismatch"  # abort `error` code, so the sender can re-raise it typed
+
+
+@dataclass(frozen=True)
+class SinkInfo:
+    """Where and into what a sender pushes one request's KV; crosses processes."""
+
+    request_id: str
+    address: str
+    block_ids: tuple[int, ...]
+    layout: dict[str, Any]
+    expires_at: float  # time.time(): the one clock both hosts share
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "block_ids": list(self.block_ids)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SinkInfo:
+        return cls(**{**d, "block_ids": tuple(d["block_ids"])})
+
+
+class State(str, Enum):
+    RESERVED = "reserved"  # waiting for the sender's begin
+    RECEIVING = "receiving"
+    READY = "ready"  # every layer landed; the caller may release
+    RELEASED = "released"  # blocks handed to the caller
+    FAILED = "failed"  # blocks freed; `reason` says why
+
+
+_LIVE = (State.RESERVED, State.RECEIVING)
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    state: State
+    layers_received: int
+    reason: str | None = None
+
+
+@dataclass(eq=False)
+class _Sink:
+    request_id: str
+    block_ids: tuple[int, ...]
+    index: torch.Tensor  # block_ids on the cache's device, built once
+    ttl_s: float
+    deadline: float  # time.monotonic()
+    state: State = State.RESERVED
+    peer: str | None = None
+    layers: set[int] = field(default_factory=set)
+    reason: str | None = None
+    ended_at: float | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    write_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class TransferAgent:
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVLayout,
+        connector: Connector,
+        free_blocks: Callable[[list[int]], None],
+        host: str = "127.0.0.1",
+        *,
+        on_ready: Callable[[str], None] | None = None,
+        on_failed: Callable[[str, str], None] | None = None,
+        reap_interval_s: float = 0.05,
+        keep_s: float = 300.0,
+    ) -> None:
+        KVLayout.of(kv_caches, layout.model_id).check(layout)
+        self.layout = layout
+        self._caches = list(kv_caches)
+        self._device = self._caches[0].device
+        self._num_blocks = self._caches[0].shape[1]
+        self._free_blocks, self._on_ready, self._on_failed = free_blocks, on_ready, on_failed
+        self._reap_interval_s, self._keep_s = reap_interval_s, keep_s
+        self._sinks: dict[str, _Sink] = {}
+        self._owned: set[int] = set()  # block ids of live and ready sinks
+        self._buffers = StagingPool()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._receiver = connector.receiver(host, self._alloc, self._on_frame, self._on_error)
+        self._reaper = threading.Thread(target=self._reap_loop, name="kv-reaper", daemon=True)
+        self._reaper.start()
+
+    @property
+    def address(self) -> str:
+        return self._receiver.address
+
+    # -- the caller's side -------------------------------------------------------------
+
+    def reserve(self, request_id: str, block_ids: Sequence[int], ttl_s: float) -> SinkInfo:
+        ids = tuple(int(b) for b in block_ids)
+        bad = [b for b in ids if not 0 <= b < self._num_blocks]
+        if not ids or bad or len(set(ids)) != len(ids):
+            raise ValueError(f"block ids must be distinct, in [0, {self._num_blocks}): {ids}")
+        index = torch.tensor(ids, dtype=torch.long, device=self._device)
+        with self._lock:
+            if self._stop.is_set():
+                raise TransferError("transfer agent is closed")
+            old = self._sinks.get(request_id)
+            if old is not None and old.state not in (State.FAILED, State.RELEASED):
+                raise ValueError(f"request {request_id!r} already holds a reservation")
+            if taken := self._owned.intersection(ids):
+                raise ValueError(f"blocks {sorted(taken)} are already reserved")
+            self._owned.update(ids)
+            deadline = time.monotonic() + ttl_s
+            self._sinks[request_id] = _Sink(request_id, ids, index, ttl_s, deadline)
+        return SinkInfo(request_id, self.address, ids, self.layout.to_dict(), time.time() + ttl_s)
+
+    def _get(self, request_id: str) -> _Sink | None:
+        with self._lock:
+            return self._sinks.get(request_id)
+
+    def status(self, request_id: str) -> TransferStatus:
+        with self._lock:
+            s = self._sinks[request_id]
+            return TransferStatus(s.state, len(s.layers), s.reason)
+
+    def wait_ready(self, request_id: str, timeout: float) -> bool:
+        """True once every layer landed; False on failure or timeout. KeyError if unknown."""
+        with self._lock:
+            sink = self._sinks[request_id]
+        sink.done.wait(timeout)
+        return sink.state in (State.READY, State.RELEASED)
+
+    def release(self, request_id: str) -> tuple[int, ...]:
+        """Hand a ready sink's blocks to the caller, who now owns (and frees) them."""
+        with self._lock:
+            sink = self._sinks.get(request_id)
+            if sink is None or sink.state is not State.READY:
+                raise TransferError(f"request {request_id!r} is not ready: {_describe(sink)}")
+            sink.state, sink.ended_at = State.RELEASED, time.monotonic()
+            self._owned.difference_update(sink.block_ids)
+            return sink.block_ids
+
+    def abort(self, request_id: str, reason: str = "abort requested") -> bool:
+        """Fail the reservation (ready ones too), free its blocks, tell its sender."""
+        sink = self._get(request_id)
+        return sink is not None and self._fail(sink, reason, (*_LIVE, State.READY), notify=True)
+
+    def close(self) -> None:
+        """Stop receiving and free every block still held (ready-but-unreleased too)."""
+        self._stop.set()
+        self._reaper.join(timeout=5)
+        self._receiver.close()
+        with self._lock:
+            held = list(self._sinks.values())
+        for sink in held:
+            self._fail(sink, "transfer agent closed", (*_LIVE, State.READY))
+
+    # -- the connector's side (connection threads) -------------------------------------
+
+    def _alloc(self, header: dict[str, Any]) -> torch.Tensor:
+        dtype, shape = payload_spec(header)
+        sink = self._get(header.get("request_id", ""))
+        if sink is not None and sink.state is State.RECEIVING and header.get("kind") == LAYER:
+            if shape == self._layer_shape(sink) and dtype == self.layout.torch_dtype:
+                return self._buffers.take(shape, dtype, self._device)
+        # Bytes nobody will use (an aborted transfer still streaming, a wrong shape that
+        # _on_layer rejects): read them into scratch to keep the stream in step.
+        return torch.empty(shape, dtype=dtype)
+
+    def _layer_shape(self, sink: _Sink) -> tuple[int, ...]:
+        return self.layout.staging_shape(len(sink.block_ids))
+
+    def _on_frame(self, frame: Frame) -> None:
+        kind = frame.header.get("kind")
+        handler = {BEGIN: self._on_begin, LAYER: self._on_layer, END: self._on_end,
+                   ABORT: self._on_abort}.get(kind)
+        if handler is None:
+            log.warning("ignoring frame of kind %r from %s", kind, frame.peer)
+            return
+        handler(frame.header, frame.payload, frame.peer or "")
+
+    def _on_begin(self, header: dict[str, Any], _: torch.Tensor | None, peer: str) -> None:
+        rid = header["request_id"]
+        sink = self._get(rid)
+        if sink is None or sink.state is not State.RESERVED:
+            self._reply(peer, _abort(rid, f"no open reservation for {rid!r}: {_describe(sink)}"))
+            return
+        try:
+            sender_layout = KVLayout.from_dict(header["layout"])
+            self.layout.check(sender_layout, "on the receiver", "on the sender")
+            if header["num_blocks"] != len(sink.block_ids):
+                raise TransferError(
+                    f"sender has {header['num_blocks']} blocks, sink {len(sink.block_ids)}"
+                )
+        except TransferError as exc:
+            self._fail(sink, str(exc), notify=True, peer=peer, error=_code(exc))
+            return
+        with self._lock:
+            accepted = sink.state is State.RESERVED  # not expired or aborted meanwhile
+            if accepted:
+                sink.state, sink.peer = State.RECEIVING, peer
+        if accepted:
+            self._reply(peer, Frame({"kind": ACCEPT, "request_id": rid}))
+        else:
+            self._reply(peer, _abort(rid, f"reservation {_describe(sink)}"))
+
+    def _on_layer(self, header: dict[str, Any], payload: torch.Tensor | None, peer: str) -> None:
+        rid, layer = header["request_id"], header.get("layer")
+        sink = self._get(rid)
+        if sink is None:
+            return
+        error, ready = None, False
+        with sink.write_lock:
+            with self._lock:
+                if sink.state is not State.RECEIVING or sink.peer != peer:
+                    return  # aborted or expired while the sender streams on: drop the bytes
+            want = self._layer_shape(sink)
+            if not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
+                error = f"bad layer index {layer!r}"
+            elif layer in sink.layers:
+                error = f"layer {layer} sent twice"
+            elif payload is None or (payload.shape, payload.dtype, payload.device) != (
+                want, self.layout.torch_dtype, self._device
+            ):
+                error = f"layer {layer} payload is not {want} {self.layout.dtype}"
+            else:
+                scatter_blocks(self._caches[layer], sink.index, payload)
+                self._buffers.give(payload)
+                if len(sink.layers) + 1 == self.layout.num_layers and self._device.type == "cuda":
+                    torch.cuda.synchronize(self._device)  # ready means the bytes are in place
+                with self._lock:
+                    sink.layers.add(layer)
+                    ready = len(sink.layers) == self.layout.num_layers
+                    if ready:
+                        sink.state = State.READY
+        if error is not None:
+            self._fail(sink, error, notify=True)
+        elif ready:
+            sink.done.set()
+            _call(self._on_ready, rid)
+
+    def _on_end(self, header: dict[str, Any], _: torch.Tensor | None, peer: str) -> None:
+        rid = header["request_id"]
+        with self._lock:
+            sink = self._sinks.get(rid)
+            state = None if sink is None or sink.peer != peer else sink.state
+        if state in (State.READY, State.RELEASED):
+            self._reply(peer, Frame({"kind": DONE, "request_id": rid}))
+        elif state is State.RECEIVING:
+            assert sink is not None
+            got = f"{len(sink.layers)} of {self.layout.num_layers}"
+            self._fail(sink, f"sender ended after {got} layers", notify=True)
+        else:
+            self._reply(peer, _abort(rid, f"transfer for {rid!r} is {_describe(sink)}"))
+
+    def _on_abort(self, header: dict[str, Any], _: torch.Tensor | None, peer: str) -> None:
+        sink = self._get(header["request_id"])
+        # Before begin any peer may abort (a sender whose own layout check failed).
+        if sink is not None and sink.peer in (None, peer):
+            self._fail(sink, f"aborted by sender: {header.get('reason', '')}")
+
+    def _on_error(self, peer: str, exc: Exception) -> None:
+        with self._lock:
+            lost = [s for s in self._sinks.values() if s.peer == peer and s.state in _LIVE]
+        for sink in lost:
+            self._fail(sink, f"sender connection lost: {exc}")
+
+    # -- failure and expiry --------------------------------------------------------------
+
+    def _fail(
+        self,
+        sink: _Sink,
+        reason: str,
+        from_states: tuple[State, ...] = _LIVE,
+        *,
+        notify: bool = False,
+        peer: str | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """Move a sink to FAILED and free its blocks, once; False if it had already ended.
+        `notify` tells the sender (`peer`, or the sink's) with an abort frame."""
+        with sink.write_lock:
+            with self._lock:
+                if self._sinks.get(sink.request_id) is not sink or sink.state not in from_states:
+                    return False
+                sink.state, sink.reason, sink.ended_at = State.FAILED, reason, time.monotonic()
+                self._owned.difference_update(sink.block_ids)
+                peer = peer or sink.peer
+        sink.done.set()
+        log.info("KV transfer %s failed: %s", sink.request_id, reason)
+        try:
+            self._free_blocks(list(sink.block_ids))
+        except Exception:  # the caller's pool must not take the reaper or a connection down
+            log.exception("free_blocks failed for %s", sink.request_id)
+        if notify and peer is not None:
+            self._reply(peer, _abort(sink.request_id, reason, error))
+        _call(self._on_failed, sink.request_id, reason)
+        return True
+
+    def _reply(self, peer: str, frame: Frame) -> None:
+        try:
+            self._receiver.reply(peer, frame)
+        except TransferError as exc:  # the sender is gone; its own timeouts end its side
+            log.debug("reply to %s dropped: %s", peer, exc)
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(self._reap_interval_s):
+            now = time.monotonic()
+            with self._lock:
+                live = [s for s in self._sinks.values() if s.state in _LIVE]
+                expired = [s for s in live if s.deadline <= now]
+                # ended_at is set only on FAILED and RELEASED: tombstones kept for status().
+                for rid in [rid for rid, s in self._sinks.items()
+                            if s.ended_at is not None and now - s.ended_at > self._keep_s]:
+                    del self._sinks[rid]
+            for sink in expired:
+                self._fail(sink, f"reservation expired after {sink.ttl_s:g}s", notify=True)
+
+
+def _abort(request_id: str, reason: str, error: str | None = None) -> Frame:
+    header: dict[str, Any] = {"kind": ABORT, "request_id": request_id, "reason": reason}
+    if error is not None:
+        header["error"] = error
+    return Frame(header)
+
+
+def _describe(sink: _Sink | None) -> str:
+    return "unknown" if sink is None else f"{sink.state.value} ({sink.reason})"
+
+
+def _code(exc: TransferError) -> str | None:
+    return LAYOUT_MISMATCH if isinstance(exc, LayoutMismatch) else None
+
+
+def _call(callback: Callable[..., None] | None, *args: Any) -> None:
+    """Run a caller's callback; its bug must not break the connection it runs on."""
+    if callback is None:
+        return
+    try:
+        callback(*args)
+    except Exception:
+        log.exception("KV transfer callback %r failed", callback)

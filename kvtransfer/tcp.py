@@ -1,0 +1,217 @@
+"""The tcp connector: plain sockets, one thread per incoming connection. The CPU default.
+
+Every socket has a timeout (`io_timeout`), so nothing blocks forever: a peer that stalls
+mid-frame is an error after `io_timeout`; an idle connection between frames may wait on
+(a sender computing its next layer), and keepalive probes find a peer host that vanished
+without closing. A killed peer process closes its sockets, which the receiver sees at
+once as EOF or a reset.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import select
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+from tandem.kvtransfer.connector import (
+    Allocator,
+    Connector,
+    ErrorHandler,
+    Frame,
+    FrameHandler,
+    Receiver,
+    Sender,
+    TransferError,
+)
+from tandem.kvtransfer.wire import HostStaging, recv_frame, send_frame
+
+log = logging.getLogger(__name__)
+
+_SCHEME = "tcp://"
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    if not address.startswith(_SCHEME):
+        raise TransferError(f"not a tcp address: {address!r}")
+    host, _, port = address[len(_SCHEME):].rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _tune(sock: socket.socket, io_timeout: float) -> None:
+    sock.settimeout(io_timeout)
+    # Control frames (begin, end, replies) are tiny; don't let Nagle hold them back.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, opt):  # Linux; elsewhere the OS defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
+class TcpConnector(Connector):
+    name = "tcp"
+
+    def __init__(self, io_timeout: float = 30.0) -> None:
+        self.io_timeout = io_timeout
+
+    def receiver(
+        self,
+        host: str,
+        alloc: Allocator,
+        on_frame: FrameHandler,
+        on_error: ErrorHandler,
+    ) -> TcpReceiver:
+        return TcpReceiver(host, alloc, on_frame, on_error, self.io_timeout)
+
+    def sender(self, address: str, connect_timeout: float = 5.0) -> TcpSender:
+        host, port = parse_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=connect_timeout)
+        except OSError as exc:  # refused, unreachable, or timed out
+            raise TransferError(f"cannot connect to {address}: {exc}") from exc
+        _tune(sock, self.io_timeout)
+        return TcpSender(sock, address, self.io_timeout)
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    # Replies come from any thread (an abort, the TTL reaper) while the connection's
+    # own thread may be replying too; one writer at a time keeps frames whole.
+    write_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class TcpReceiver(Receiver):
+    def __init__(
+        self,
+        host: str,
+        alloc: Allocator,
+        on_frame: FrameHandler,
+        on_error: ErrorHandler,
+        io_timeout: float,
+    ) -> None:
+        self._alloc, self._on_frame, self._on_error = alloc, on_frame, on_error
+        self._io_timeout = io_timeout
+        self._listener = socket.create_server((host, 0), backlog=128)
+        # accept() wakes up this often to notice close(); shutdown() usually wakes it first.
+        self._listener.settimeout(0.5)
+        self._address = f"{_SCHEME}{host}:{self._listener.getsockname()[1]}"
+        self._conns: dict[str, _Conn] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._ids = itertools.count()
+        self._acceptor = threading.Thread(target=self._accept_loop, name="tcp-accept", daemon=True)
+        self._acceptor.start()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def reply(self, peer: str, frame: Frame) -> None:
+        with self._lock:
+            conn = self._conns.get(peer)
+        if conn is None:
+            raise TransferError(f"peer {peer} is gone")
+        try:
+            with conn.write_lock:
+                send_frame(conn.sock, frame, HostStaging())
+        except OSError as exc:
+            raise TransferError(f"reply to {peer} failed: {exc}") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns.values())
+        for s in [self._listener, *(c.sock for c in conns)]:
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked on it
+            except OSError:
+                pass
+        self._acceptor.join(timeout=5)
+        self._listener.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, (ip, port, *_) = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # listener shut down by close()
+            _tune(sock, self._io_timeout)
+            peer = f"{ip}:{port}/{next(self._ids)}"
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                self._conns[peer] = _Conn(sock)
+            threading.Thread(
+                target=self._serve, args=(peer, sock), name=f"tcp-recv-{peer}", daemon=True
+            ).start()
+
+    def _serve(self, peer: str, sock: socket.socket) -> None:
+        staging = HostStaging()
+        error: Exception
+        try:
+            while True:
+                frame = recv_frame(sock, self._alloc, staging, lambda: not self._closed)
+                if frame is None:
+                    error = TransferError("peer closed the connection")
+                    break
+                self._on_frame(Frame(frame.header, frame.payload, peer))
+        except TransferError as exc:
+            error = exc
+        except OSError as exc:
+            error = TransferError(f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a handler bug: this connection can't go on, others can
+            log.exception("frame handler failed on %s", peer)
+            error = exc
+        with self._lock:
+            self._conns.pop(peer, None)
+            closed = self._closed
+        sock.close()
+        if not closed:
+            self._on_error(peer, error)
+
+
+class TcpSender(Sender):
+    """One connection to a Receiver. Used by one thread at a time."""
+
+    def __init__(self, sock: socket.socket, address: str, io_timeout: float) -> None:
+        self._sock, self._address, self._io_timeout = sock, address, io_timeout
+        self._staging = HostStaging()
+
+    def send(self, frame: Frame, timeout: float | None = None) -> None:
+        # The timeout bounds the whole send, so a receiver that stops reading is caught.
+        self._sock.settimeout(timeout or self._io_timeout)
+        try:
+            send_frame(self._sock, frame, self._staging)
+        except TimeoutError as exc:
+            raise TransferError(f"send to {self._address} timed out") from exc
+        except OSError as exc:
+            raise TransferError(f"send to {self._address} failed: {exc}") from exc
+
+    def poll(self, timeout: float = 0.0) -> Frame | None:
+        try:
+            readable, _, _ = select.select([self._sock], [], [], timeout)
+            if not readable:
+                return None
+            self._sock.settimeout(self._io_timeout)
+            frame = recv_frame(self._sock, _no_payloads, self._staging)
+        except OSError as exc:
+            raise TransferError(f"connection to {self._address} lost: {exc}") from exc
+        if frame is None:
+            raise TransferError(f"receiver at {self._address} closed the connection")
+        return frame
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _no_payloads(header: dict) -> NoReturn:
+    raise TransferError("replies carry no payload")

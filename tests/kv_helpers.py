@@ -1,0 +1,138 @@
+"""Shared helpers for KV transfer tests, whatever the connector: random caches, exact
+comparisons, a thread-safe view of a real BlockPool, bounded waits, and the round trip
+every connector must pass (`roundtrip`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tandem.engine.block_pool import BlockPool
+from tandem.kvtransfer.agent import SinkInfo, TransferAgent
+from tandem.kvtransfer.connector import Connector
+from tandem.kvtransfer.layout import KVLayout
+from tandem.kvtransfer.sender import KVPush, push
+
+MODEL = "test-model"
+# Small but real: several layers, GQA heads, multi-token blocks.
+LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 8, 4
+
+
+def make_caches(
+    num_blocks: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: str = "cpu",
+    num_layers: int = LAYERS,
+    heads: int = HEADS,
+    head_dim: int = HEAD_DIM,
+) -> list[torch.Tensor]:
+    """Per-layer caches [2, num_blocks, BLOCK_SIZE, heads, head_dim] of random values."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, num_blocks, BLOCK_SIZE, heads, head_dim)
+    return [torch.randn(shape, generator=g).to(dtype).to(device) for _ in range(num_layers)]
+
+
+def clone(caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [c.clone() for c in caches]
+
+
+def assert_blocks_equal(
+    dst: Sequence[torch.Tensor], dst_ids: Sequence[int],
+    src: Sequence[torch.Tensor], src_ids: Sequence[int],
+) -> None:
+    """Block dst_ids[i] of every layer of dst is bit-identical to block src_ids[i] of src."""
+    for layer, (d, s) in enumerate(zip(dst, src)):
+        for di, si in zip(dst_ids, src_ids):
+            assert torch.equal(d[:, di].cpu(), s[:, si].cpu()), f"layer {layer} block {di}"
+
+
+def assert_unchanged_except(
+    before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], changed: Sequence[int]
+) -> None:
+    """Every block not in `changed` is bit-identical to the copy taken before."""
+    keep = [b for b in range(before[0].shape[1]) if b not in set(changed)]
+    for layer, (b, a) in enumerate(zip(before, after)):
+        assert torch.equal(b[:, keep].cpu(), a[:, keep].cpu()), f"layer {layer} changed"
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> bool:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+class PoolBlocks:
+    """A real BlockPool handing block ids to a TransferAgent; frees are counted and
+    serialized, since the agent frees from its reaper and connection threads."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.frees: list[list[int]] = []
+        self._lock = threading.Lock()
+
+    def allocate(self, n: int) -> list[int]:
+        with self._lock:
+            return [b.block_id for b in self.pool.allocate(n)]
+
+    def free(self, block_ids: list[int]) -> None:
+        with self._lock:
+            self.frees.append(list(block_ids))
+            self.pool.free(self.pool.blocks[i] for i in block_ids)
+
+    @property
+    def num_free(self) -> int:
+        with self._lock:
+            return self.pool.num_free_blocks
+
+
+def roundtrip(
+    connector: Connector,
+    dtype: torch.dtype,
+    sink_ids: Sequence[int],
+    src_ids: Sequence[int],
+    num_blocks: int = 16,
+    device: str = "cpu",
+) -> None:
+    """Push src blocks into sink blocks of a fresh destination: the sink blocks arrive
+    bit-identical, every other block is untouched, the agent frees nothing."""
+    src = make_caches(num_blocks, dtype, seed=1, device=device)
+    dst = make_caches(num_blocks, dtype, seed=2, device=device)
+    before = clone(dst)
+    layout = KVLayout.of(dst, MODEL)
+    freed: list[list[int]] = []
+    agent = TransferAgent(dst, layout, connector, freed.append)
+    try:
+        sink = agent.reserve("rt", sink_ids, ttl_s=30)
+        push(connector, sink, src, src_ids, layout)
+        assert agent.wait_ready("rt", timeout=10)
+        assert agent.release("rt") == tuple(sink_ids)
+    finally:
+        agent.close()
+    assert_blocks_equal(dst, sink_ids, src, src_ids)
+    assert_unchanged_except(before, dst, sink_ids)
+    assert freed == []
+
+
+def send_some_layers_then_hang(
+    connector_name: str, sink: dict, src_ids: list[int], dtype_name: str, layers: int,
+    sent: object,
+) -> None:
+    """Subprocess body (spawn): open a transfer, send `layers` layers, report through the
+    `sent` Event, then wait to be killed."""
+    from tandem.kvtransfer.connector import get_connector
+
+    caches = make_caches(16, getattr(torch, dtype_name), seed=1)
+    connector = get_connector(connector_name)
+    p = KVPush(connector, SinkInfo.from_dict(sink), caches, src_ids, KVLayout.of(caches, MODEL))
+    p.start()
+    for layer in range(layers):
+        p.send_layer(layer)
+    sent.set()  # type: ignore[attr-defined]
+    time.sleep(60)  # the parent SIGKILLs us long before this
