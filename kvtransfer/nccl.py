@@ -1,0 +1,444 @@
+"""The nccl connector: payloads over a two-rank torch.distributed process group per
+connection (NCCL between GPUs; gloo, the same code on CPU, which is what CI runs), headers
+and replies over the tcp connector's control connection.
+
+NCCL and gloo can only `recv` into a posted buffer of the right size, so every frame's
+header, which names the payload's dtype and shape, goes first over TCP; the receiver
+allocates (`alloc(header)`) and posts the matching `recv`. Per connection:
+
+    sender -> nccl_hello {backend}             over tcp, before any caller frame
+    sender <- nccl_welcome {store_port, pair}  the receiver hosts one TCPStore for all pairs
+    both build a 2-rank group under PrefixStore(pair): receiver rank 0, sender rank 1
+    nccl only: one byte rank 1 -> 0, so the communicator exists before the first layer
+    per frame: header (with dtype, shape) over tcp, then the payload's bytes over the group
+
+Every connection gets its own group, so a receiver takes any number of independent
+senders over time, and no process needs a global world (`init_process_group` is never
+called). Payloads travel as their raw bytes (uint8 view), so bf16 and every other dtype
+arrive bit-exact. A payload on the wrong side of the transport (CUDA under gloo, CPU under
+nccl, or the agent's CPU scratch for bytes it will drop) crosses through a temporary.
+
+Timeouts. gloo: `Work.wait(timeout)`; a timed-out group is dead and so is its connection.
+nccl: operations run asynchronously on the group's stream, so we poll
+`Work.is_completed()` to a deadline and on expiry abort that group's communicator
+(ncclCommAbort), which frees the stream; the connection ends, the process lives on. The
+group's own watchdog timeout is set well past ours, so its handler (which by default tears
+the whole process down) never fires first. Communicator setup (the first operation, run by
+the handshake) is bounded by `setup_timeout` through the store; NCCL's own bootstrap after
+that has no timeout of ours.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.kvtransfer.connector import (
+    Allocator,
+    Connector,
+    ErrorHandler,
+    Frame,
+    FrameHandler,
+    Receiver,
+    Sender,
+    TransferError,
+    payload_header,
+    payload_spec,
+)
+from tandem.kvtransfer.tcp import TcpConnector, TcpReceiver, TcpSender
+
+log = logging.getLogger(__name__)
+
+_SCHEME = "nccl://"
+HELLO, WELCOME = "nccl_hello", "nccl_welcome"  # control kinds private to this connector
+BACKENDS = ("nccl", "gloo")
+_RECEIVER_RANK, _SENDER_RANK = 0, 1
+_TAG = 0
+# Extra room given to the NCCL watchdog beyond our own deadlines (see module docstring).
+_WATCHDOG_SLACK_S = 300.0
+
+
+def _tcp_address(address: str) -> str:
+    if not address.startswith(_SCHEME):
+        raise TransferError(f"not an nccl address: {address!r}")
+    return "tcp://" + address[len(_SCHEME):]
+
+
+def _host_of(address: str) -> str:
+    return address[len(_SCHEME):].rpartition(":")[0].strip("[]")
+
+
+def _source_ip(host: str) -> str:
+    """The local address this host's traffic to `host` leaves from (no packet is sent)."""
+    family = socket.getaddrinfo(host, None)[0][0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    # uint8 reinterpretation: every dtype (bf16 included) travels bit-exact.
+    return t.reshape(-1).view(torch.uint8)
+
+
+class NcclConnector(Connector):
+    name = "nccl"
+
+    def __init__(
+        self,
+        backend: str = "nccl",
+        device: str | torch.device | None = None,
+        io_timeout: float = 30.0,
+        setup_timeout: float = 30.0,
+        max_idle: int = 2,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "nccl" and not dist.is_nccl_available():
+            raise TransferError("this torch build has no NCCL; use backend='gloo' on CPU")
+        self.backend = backend
+        if backend == "gloo":
+            self.device = torch.device("cpu")
+        else:
+            self.device = torch.device(device if device is not None else "cuda")
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+        self.io_timeout, self.setup_timeout = io_timeout, setup_timeout
+        self._tcp = TcpConnector(io_timeout)
+        self.max_idle = max_idle  # parked connections per address (0: close at once)
+        self._idle: dict[str, list[_Link]] = {}
+        self._idle_lock = threading.Lock()
+
+    def receiver(
+        self,
+        host: str,
+        alloc: Allocator,
+        on_frame: FrameHandler,
+        on_error: ErrorHandler,
+    ) -> NcclReceiver:
+        return NcclReceiver(self, host, alloc, on_frame, on_error)
+
+    def sender(self, address: str, connect_timeout: float = 5.0) -> NcclSender:
+        link = self._reuse(address) or self._connect(address, connect_timeout)
+        return NcclSender(self, link, address)
+
+    def close(self) -> None:
+        """Close the idle connections this connector keeps for reuse."""
+        with self._idle_lock:
+            idle, self._idle = [link for links in self._idle.values() for link in links], {}
+        for link in idle:
+            link.close()
+
+    def _connect(self, address: str, connect_timeout: float) -> _Link:
+        try:
+            control = self._tcp.sender(_tcp_address(address), connect_timeout)
+        except TransferError as exc:
+            raise TransferError(f"cannot connect to {address}: {exc.__cause__ or exc}") from exc
+        try:
+            control.send(Frame({"kind": HELLO, "backend": self.backend}), connect_timeout)
+            welcome = _await_welcome(control, address, connect_timeout)
+            host = _host_of(address)
+            store = dist.TCPStore(
+                host, int(welcome["store_port"]), is_master=False,
+                timeout=timedelta(seconds=self.setup_timeout), wait_for_workers=False,
+            )
+            group = _PairGroup(
+                self, dist.PrefixStore(welcome["pair"], store), _SENDER_RANK, _source_ip(host)
+            )
+        except BaseException as exc:
+            control.close()
+            if isinstance(exc, TransferError) or not isinstance(exc, Exception):
+                raise
+            raise TransferError(f"cannot set up a process group with {address}: {exc}") from exc
+        return _Link(control, group)
+
+    # A connection costs a rendezvous and, under NCCL, a communicator (0.35 s to set up on
+    # two H200s, and GPU buffers), while KVPush opens a sender per request; so a sender
+    # closed cleanly, at a frame boundary, parks its connection here for the next sender to
+    # the same address. A parked one whose receiver went away is dropped on reuse.
+
+    def _reuse(self, address: str) -> _Link | None:
+        while True:
+            with self._idle_lock:
+                idle = self._idle.get(address)
+                if not idle:
+                    return None
+                link = idle.pop()
+            if link.drain():
+                return link
+            link.close()  # the receiver went away while it sat idle
+
+    def _park(self, address: str, link: _Link) -> None:
+        with self._idle_lock:
+            idle = self._idle.setdefault(address, [])
+            if len(idle) < self.max_idle:
+                idle.append(link)
+                return
+        link.close()
+
+
+def _await_welcome(control: TcpSender, address: str, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        frame = control.poll(left)
+        if frame is None:
+            continue
+        if frame.header.get("kind") == WELCOME:
+            return frame.header
+        raise TransferError(f"{address} refused the connection: {frame.header}")
+    raise TransferError(f"no handshake from {address} in {timeout:g}s")
+
+
+class _PairGroup:
+    """One connection's two-rank process group, used by one thread at a time (the
+    connection's), except `abort`, which any thread may call to unblock it."""
+
+    def __init__(self, conn: NcclConnector, store: dist.Store, rank: int, hostname: str) -> None:
+        self.backend, self.device = conn.backend, conn.device
+        self.peer = _SENDER_RANK if rank == _RECEIVER_RANK else _RECEIVER_RANK
+        self._scratch: torch.Tensor | None = None
+        try:
+            if self.backend == "gloo":
+                opts = dist.ProcessGroupGloo._Options()
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+                opts._timeout = timedelta(seconds=conn.setup_timeout)
+                opts._threads = 1  # send/recv don't use the worker pool
+                # Blocks until both ranks connected, at most setup_timeout.
+                self.pg: Any = dist.ProcessGroupGloo(store, rank, 2, opts)
+            else:
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timedelta(seconds=conn.io_timeout + _WATCHDOG_SLACK_S)
+                self.pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
+                self._warm_up(conn.setup_timeout)
+        except TransferError:
+            raise
+        except Exception as exc:  # DistStoreError, gloo/NCCL RuntimeError
+            raise TransferError(f"process group setup failed: {exc}") from exc
+
+    def _warm_up(self, timeout: float) -> None:
+        one = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        if self.peer == _RECEIVER_RANK:
+            self.send(one, timeout)
+        else:
+            self.recv_into(one, timeout)
+
+    def send(self, payload: torch.Tensor, timeout: float) -> None:
+        """Returns once the payload's memory may be reused."""
+        wire = _bytes(payload.contiguous())
+        if not wire.numel():
+            return
+        if wire.device != self.device:
+            wire = wire.to(self.device)
+        self._transfer(lambda: self.pg.send([wire], self.peer, _TAG), timeout)
+
+    def recv_into(self, out: torch.Tensor, timeout: float) -> None:
+        target = _bytes(out)
+        if not target.numel():
+            return
+        wire = target if target.device == self.device else self._staging(target.numel())
+        self._transfer(lambda: self.pg.recv([wire], self.peer, _TAG), timeout)
+        if wire is not target:
+            target.copy_(wire)
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._scratch[:nbytes]
+
+    def _transfer(self, start: Callable[[], Any], timeout: float) -> None:
+        try:
+            work = start()
+            if self.backend == "gloo":
+                work.wait(timedelta(seconds=timeout))
+                return
+            deadline = time.monotonic() + timeout
+            pause = 1e-5
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    self.abort()
+                    raise TransferError(f"nccl transfer timed out after {timeout:g}s")
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+            work.wait()  # raises if it failed; orders the current stream after it
+        except TransferError:
+            raise
+        except Exception as exc:  # gloo timeout or closed pair, NCCL error
+            raise TransferError(f"{self.backend} transfer failed: {exc}") from exc
+
+    def abort(self) -> None:
+        try:
+            self.pg.abort()
+        except Exception as exc:  # already gone: nothing more to free
+            log.debug("abort of %s group failed: %s", self.backend, exc)
+
+
+class NcclReceiver(Receiver):
+    def __init__(
+        self,
+        conn: NcclConnector,
+        host: str,
+        alloc: Allocator,
+        on_frame: FrameHandler,
+        on_error: ErrorHandler,
+    ) -> None:
+        self._conn = conn
+        self._alloc, self._on_frame, self._on_error = alloc, on_frame, on_error
+        self._host = host
+        self._store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=conn.setup_timeout),
+        )
+        self._groups: dict[str, _PairGroup] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._tcp: TcpReceiver = conn._tcp.receiver(
+            host, _no_control_payloads, self._on_control, self._on_lost
+        )
+        self._address = _SCHEME + self._tcp.address.removeprefix("tcp://")
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def reply(self, peer: str, frame: Frame) -> None:
+        self._tcp.reply(peer, frame)
+
+    def close(self) -> None:
+        # tcp first: a connection ended by close() must not reach on_error; then abort
+        # the groups, which unblocks any connection thread waiting in a recv.
+        with self._lock:
+            self._closed = True
+        self._tcp.close()
+        with self._lock:
+            groups, self._groups = list(self._groups.values()), {}
+        for group in groups:
+            group.abort()
+
+    # -- connection threads (the tcp receiver's) -------------------------------------
+
+    def _on_control(self, frame: Frame) -> None:
+        peer = frame.peer or ""
+        if frame.header.get("kind") == HELLO:
+            self._welcome(peer, frame.header)
+            return
+        if "shape" not in frame.header:  # header-only frame: nothing follows
+            self._on_frame(frame)
+            return
+        with self._lock:
+            group = self._groups.get(peer)
+        if group is None:
+            raise TransferError(f"{peer} sent a payload before its handshake")
+        out = self._alloc_checked(frame.header)
+        group.recv_into(out, self._conn.io_timeout)
+        self._on_frame(Frame(frame.header, out, peer))
+
+    def _alloc_checked(self, header: dict[str, Any]) -> torch.Tensor:
+        dtype, shape = payload_spec(header)
+        out = self._alloc(header)
+        if out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
+            raise TransferError(
+                f"allocator gave {tuple(out.shape)} {out.dtype} for a {shape} {dtype} payload"
+            )
+        return out
+
+    def _welcome(self, peer: str, header: dict[str, Any]) -> None:
+        backend = header.get("backend")
+        if backend != self._conn.backend:
+            why = f"backend {backend!r} here is {self._conn.backend!r}"
+            self.reply(peer, Frame({"kind": "abort", "reason": why}))
+            raise TransferError(why)
+        pair = f"tandem-kv/{peer}/"
+        self.reply(peer, Frame({"kind": WELCOME, "store_port": self._store.port, "pair": pair}))
+        hostname = "" if self._host in ("", "0.0.0.0", "::") else self._host
+        group = _PairGroup(self._conn, dist.PrefixStore(pair, self._store), _RECEIVER_RANK,
+                           hostname)
+        with self._lock:
+            if self._closed:
+                group.abort()
+                raise TransferError("receiver closed")
+            self._groups[peer] = group
+
+    def _on_lost(self, peer: str, exc: Exception) -> None:
+        with self._lock:
+            group = self._groups.pop(peer, None)
+        self._on_error(peer, exc)  # first: an NCCL abort can take a while
+        if group is not None:
+            group.abort()
+
+
+def _no_control_payloads(header: dict[str, Any]) -> torch.Tensor:
+    raise TransferError("payloads travel over the process group, not the control connection")
+
+
+@dataclass(eq=False)
+class _Link:
+    """A sender's connection: the control socket and the process group."""
+
+    control: TcpSender
+    group: _PairGroup
+
+    def drain(self) -> bool:
+        """Drop replies left from an earlier transfer; False if the receiver is gone."""
+        try:
+            while self.control.poll(0) is not None:
+                pass
+        except TransferError:
+            return False
+        return True
+
+    def close(self) -> None:
+        self.control.close()
+        self.group.abort()
+
+
+class NcclSender(Sender):
+    """One connection (control socket + process group). Used by one thread at a time."""
+
+    def __init__(self, connector: NcclConnector, link: _Link, address: str) -> None:
+        self._connector, self._link, self._address = connector, link, address
+        self._io_timeout = connector.io_timeout
+        self._broken: str | None = None
+        self._closed = False
+
+    def send(self, frame: Frame, timeout: float | None = None) -> None:
+        self._check_open()
+        timeout = timeout or self._io_timeout
+        try:
+            self._link.control.send(Frame(payload_header(frame)), timeout)
+            if frame.payload is not None:
+                self._link.group.send(frame.payload, timeout)
+        except TransferError as exc:
+            # Half a frame went out (or the group is dead): this connection is over.
+            self._fail(str(exc))
+            raise
+
+    def poll(self, timeout: float = 0.0) -> Frame | None:
+        self._check_open()
+        try:
+            return self._link.control.poll(timeout)
+        except TransferError as exc:
+            self._fail(str(exc))
+            raise
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._connector._park(self._address, self._link)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            why = f" ({self._broken})" if self._broken else ""
+            raise TransferError(f"connection to {self._address} is closed{why}")
+
+    def _fail(self, why: str) -> None:
+        self._broken, self._closed = why, True
+        self._link.close()
