@@ -58,6 +58,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--ring", type=int, default=2, help="KVPush staging slots")
+    p.add_argument("--coalesce", type=int, default=4,
+                   help="most layers KVPush puts in one message when ahead of the link")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -159,7 +162,8 @@ def sender_main(args: argparse.Namespace, n: int, sinks: Any, results: Any, stop
     for i in range(args.warmup + args.iters):
         sink = SinkInfo.from_dict(sinks.get(timeout=QUEUE_TIMEOUT_S))
         t_start = time.monotonic()
-        with KVPush(connector, sink, caches, ids, layout, send_timeout=60, reply_timeout=60) as p:
+        with KVPush(connector, sink, caches, ids, layout, send_timeout=60, reply_timeout=60,
+                    ring=args.ring, coalesce=args.coalesce) as p:
             p.start()
             for layer in range(layout.num_layers):
                 p.send_layer(layer)
@@ -211,7 +215,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       "tail_s": ready[i] - t_last, "finish_s": t_finish - t_start})
     return {
         "connector": args.connector, "device": args.device, "host": platform.node(),
-        "layout": layout.to_dict(), "tokens": args.tokens, "blocks": n, "bytes": nbytes,
+        "layout": layout.to_dict(), "ring": args.ring, "coalesce": args.coalesce,
+        "tokens": args.tokens, "blocks": n, "bytes": nbytes,
         "gather_gbps": nbytes / got["gather_s"] / 1e9,
         "scatter_gbps": nbytes / got["scatter_s"] / 1e9,
         "iters": iters,
@@ -225,7 +230,8 @@ def main() -> None:
     args = parse_args()
     r = run(args)
     print(f"{r['connector']} on {r['device']}: {args.layers} layers x {r['blocks']} blocks "
-          f"({r['tokens']} tokens), {args.dtype}, {r['bytes'] / 1e6:.1f} MB")
+          f"({r['tokens']} tokens), {args.dtype}, {r['bytes'] / 1e6:.1f} MB, "
+          f"ring {args.ring}, coalesce {args.coalesce}")
     print(f"staging alone: gather {r['gather_gbps']:.2f} GB/s, "
           f"scatter {r['scatter_gbps']:.2f} GB/s")
     print(f"{'iter':>4} {'wall ms':>9} {'GB/s':>7} {'tail ms':>8} {'finish ms':>10}")

@@ -4,7 +4,10 @@ Protocol, per request, on one sender connection (kinds below):
 
     sender -> begin {request_id, layout, num_blocks}   receiver checks the layout
     sender <- accept | abort {reason, error}           no data moves before accept
-    sender -> layer {request_id, layer} + payload       scattered as it lands; ready after the last
+    sender -> layer {request_id, layer[, layers]} + payload
+                                    layers `layer`.. `layer+layers-1` (default 1), stacked
+                                    when more than one; scattered as they land; ready
+                                    after the last
     sender -> end                                       "that was all"
     sender <- done | abort {reason}
     sender -> abort {reason}                            at any time: the sender gave up
@@ -44,6 +47,9 @@ log = logging.getLogger(__name__)
 
 BEGIN, LAYER, END, ABORT, ACCEPT, DONE = "begin", "layer", "end", "abort", "accept", "done"
 LAYOUT_MISMATCH = "layout_mismatch"  # abort `error` code, so the sender can re-raise it typed
+# How long a failing sink waits for scatters already queued on the GPU before its blocks
+# are freed (an aborted connection's recvs end at once, so this is only for a stuck GPU).
+_LANDING_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,9 @@ class _Sink:
     ended_at: float | None = None
     done: threading.Event = field(default_factory=threading.Event)
     write_lock: threading.Lock = field(default_factory=threading.Lock)
+    # CUDA: recorded after the latest scatter, which the stream may not have run yet (the
+    # connector hands over payloads still landing); its blocks are not freed before it.
+    landed: torch.cuda.Event | None = None
 
 
 class TransferAgent:
@@ -200,7 +209,7 @@ class TransferAgent:
         dtype, shape = payload_spec(header)
         sink = self._get(header.get("request_id", ""))
         if sink is not None and sink.state is State.RECEIVING and header.get("kind") == LAYER:
-            if shape == self._layer_shape(sink) and dtype == self.layout.torch_dtype:
+            if shape == self._frame_shape(sink, header) and dtype == self.layout.torch_dtype:
                 return self._buffers.take(shape, dtype, self._device)
         # Bytes nobody will use (an aborted transfer still streaming, a wrong shape that
         # _on_layer rejects): read them into scratch to keep the stream in step.
@@ -208,6 +217,12 @@ class TransferAgent:
 
     def _layer_shape(self, sink: _Sink) -> tuple[int, ...]:
         return self.layout.staging_shape(len(sink.block_ids))
+
+    def _frame_shape(self, sink: _Sink, header: dict[str, Any]) -> tuple[int, ...]:
+        """One layer's staging shape, or [k, *that] for a frame of k layers (`layers`)."""
+        count = header.get("layers", 1)
+        shape = self._layer_shape(sink)
+        return shape if count == 1 else (count, *shape)
 
     def _on_frame(self, frame: Frame) -> None:
         kind = frame.header.get("kind")
@@ -253,23 +268,36 @@ class TransferAgent:
             with self._lock:
                 if sink.state is not State.RECEIVING or sink.peer != peer:
                     return  # aborted or expired while the sender streams on: drop the bytes
-            want = self._layer_shape(sink)
-            if not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
-                error = f"bad layer index {layer!r}"
-            elif layer in sink.layers:
-                error = f"layer {layer} sent twice"
+            want = self._frame_shape(sink, header)
+            count = header.get("layers", 1)
+            whole = isinstance(layer, int) and isinstance(count, int) and count >= 1
+            layers = range(layer, layer + count) if whole else range(0)
+            if not layers or not 0 <= layer <= layers[-1] < self.layout.num_layers:
+                error = f"bad layer index {layer!r} (x{count!r})"
+            elif dup := sink.layers.intersection(layers):
+                error = f"layers {sorted(dup)} sent twice"
             elif payload is None or (payload.shape, payload.dtype, payload.device) != (
                 want, self.layout.torch_dtype, self._device
             ):
                 error = f"layer {layer} payload is not {want} {self.layout.dtype}"
             else:
-                scatter_blocks(self._caches[layer], sink.index, payload)
+                # Stream-ordered: runs once the payload landed. The buffer goes back to the
+                # pool now; its next recv is enqueued after this scatter on the same stream.
+                staged = payload.view(count, *self._layer_shape(sink))
+                for i, each in enumerate(layers):
+                    scatter_blocks(self._caches[each], sink.index, staged[i])
                 self._buffers.give(payload)
-                if len(sink.layers) + 1 == self.layout.num_layers and self._device.type == "cuda":
-                    torch.cuda.synchronize(self._device)  # ready means the bytes are in place
+                last = len(sink.layers) + count == self.layout.num_layers
+                if self._device.type == "cuda":
+                    sink.landed = torch.cuda.Event()
+                    sink.landed.record(torch.cuda.current_stream(self._device))
+                    # Ready means the bytes are in place: wait, bounded by the TTL, for
+                    # the last scatter; a stuck one ends the connection.
+                    if last and not _await_landed(sink.landed, sink.deadline):
+                        raise TransferError(f"layer {layers[-1]} did not land before the TTL")
                 with self._lock:
-                    sink.layers.add(layer)
-                    ready = len(sink.layers) == self.layout.num_layers
+                    sink.layers.update(layers)
+                    ready = last
                     if ready:
                         sink.state = State.READY
         if error is not None:
@@ -323,14 +351,19 @@ class TransferAgent:
                 if self._sinks.get(sink.request_id) is not sink or sink.state not in from_states:
                     return False
                 sink.state, sink.reason, sink.ended_at = State.FAILED, reason, time.monotonic()
-                self._owned.difference_update(sink.block_ids)
                 peer = peer or sink.peer
         sink.done.set()
         log.info("KV transfer %s failed: %s", sink.request_id, reason)
-        try:
-            self._free_blocks(list(sink.block_ids))
-        except Exception:  # the caller's pool must not take the reaper or a connection down
-            log.exception("free_blocks failed for %s", sink.request_id)
+        if sink.landed is None or _await_landed(sink.landed, time.monotonic() + _LANDING_GRACE_S):
+            with self._lock:
+                self._owned.difference_update(sink.block_ids)
+            try:
+                self._free_blocks(list(sink.block_ids))
+            except Exception:  # the caller's pool must not take the reaper or a connection down
+                log.exception("free_blocks failed for %s", sink.request_id)
+        else:  # a scatter may still write them: leaked beats corrupting their next owner
+            log.error("KV transfer %s: blocks %s leaked, a scatter into them never ran",
+                      sink.request_id, list(sink.block_ids))
         if notify and peer is not None:
             self._reply(peer, _abort(sink.request_id, reason, error))
         _call(self._on_failed, sink.request_id, reason)
@@ -354,6 +387,17 @@ class TransferAgent:
                     del self._sinks[rid]
             for sink in expired:
                 self._fail(sink, f"reservation expired after {sink.ttl_s:g}s", notify=True)
+
+
+def _await_landed(event: torch.cuda.Event, deadline: float) -> bool:
+    """Poll `event` until it completed (True) or `deadline` (time.monotonic()) passed."""
+    pause = 1e-5
+    while not event.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+    return True
 
 
 def _abort(request_id: str, reason: str, error: str | None = None) -> Frame:

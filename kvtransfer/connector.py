@@ -7,9 +7,15 @@ payloads, one large payload per layer per transfer, never one per block.
 Invariants every implementation keeps:
 - frames from one Sender arrive at the Receiver in the order they were sent;
 - `Sender.send` returns only once the payload's memory may be reused by the caller;
+  `Sender.send_async` may return before, with a `SendHandle` that says when (frames from
+  both go out in call order);
 - the Receiver writes an incoming payload into the tensor that `alloc(header)` returns
   (so bytes land directly in a staging buffer on the right device), then calls
-  `on_frame` with that tensor;
+  `on_frame` with that tensor; a CUDA payload may still be landing when `on_frame` runs:
+  it is valid for work enqueued on the calling thread's current stream of its device
+  (the connector made that stream wait for it), and for the host after a sync of that
+  stream; a later header-only frame from the same peer is delivered only once every
+  payload before it has landed;
 - a peer that dies or stalls surfaces as `TransferError` on the sender and as
   `on_error(peer, exc)` on the receiver, never as a hang: every blocking call has a timeout;
 - `on_error(peer, exc)` fires exactly once per connection that ends for any reason other
@@ -99,9 +105,38 @@ class Receiver(ABC):
     def close(self) -> None: ...
 
 
+class SendHandle(ABC):
+    """A frame on its way (`Sender.send_async`). Once `done()` is True or `wait` returned,
+    the payload's memory may be reused. `wait` raises TransferError if the frame failed or
+    was not out within `timeout`; the connection is then over."""
+
+    @abstractmethod
+    def done(self) -> bool: ...
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> None: ...
+
+
+class Sent(SendHandle):
+    """The handle of a frame that is already out."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+
 class Sender(ABC):
     @abstractmethod
     def send(self, frame: Frame, timeout: float | None = None) -> None: ...
+
+    def send_async(self, frame: Frame, timeout: float | None = None) -> SendHandle:
+        """Start sending `frame` and return without waiting for its payload to go out;
+        the caller keeps the payload unchanged until the handle is done. The default
+        sends synchronously."""
+        self.send(frame, timeout)
+        return Sent()
 
     def poll(self, timeout: float = 0.0) -> Frame | None:
         """The next frame the Receiver replied with, waiting up to `timeout` seconds;
@@ -128,6 +163,11 @@ class Connector(ABC):
     @abstractmethod
     def sender(self, address: str, connect_timeout: float = 5.0) -> Sender:
         """Connect to a Receiver; raises TransferError within `connect_timeout` if it can't."""
+
+    def close(self) -> None:
+        """Release what the connector keeps across senders (e.g. reused connections).
+        Most connectors keep nothing, so this is a no-op unless overridden."""
+        return None
 
 
 _CONNECTORS = {

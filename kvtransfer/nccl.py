@@ -18,6 +18,16 @@ called). Payloads travel as their raw bytes (uint8 view), so bf16 and every othe
 arrive bit-exact. A payload on the wrong side of the transport (CUDA under gloo, CPU under
 nccl, or the agent's CPU scratch for bytes it will drop) crosses through a temporary.
 
+Pipelining (nccl). `send_async` writes the header and enqueues the payload's send on the
+group's stream, which waits for the caller's current stream (so a gather just enqueued
+is what goes out), and returns a handle: no host sync per frame. The receiver posts each
+recv as its header arrives and makes its current stream wait for it, so `on_frame` gets
+a tensor still landing; work it enqueues on that stream (the agent's scatter) runs after
+the bytes, and a buffer handed back and posted again is only overwritten after that work
+(the recv waits for the current stream too). At most _MAX_IN_FLIGHT recvs stay
+unconfirmed per connection, and a header-only frame is delivered only once all before it
+landed. gloo keeps both sides synchronous behind the same calls.
+
 Timeouts. gloo: `Work.wait(timeout)`; a timed-out group is dead and so is its connection.
 nccl: operations run asynchronously on the group's stream, so we poll
 `Work.is_completed()` to a deadline and on expiry abort that group's communicator
@@ -34,6 +44,7 @@ import logging
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -50,6 +61,8 @@ from tandem.kvtransfer.connector import (
     FrameHandler,
     Receiver,
     Sender,
+    SendHandle,
+    Sent,
     TransferError,
     payload_header,
     payload_spec,
@@ -63,6 +76,9 @@ HELLO, WELCOME = "nccl_hello", "nccl_welcome"  # control kinds private to this c
 BACKENDS = ("nccl", "gloo")
 _RECEIVER_RANK, _SENDER_RANK = 0, 1
 _TAG = 0
+# Payloads a connection may have on their way at once (posted recvs, unfinished sends):
+# enough to keep the link busy while the host runs ahead, few enough to bound memory.
+_MAX_IN_FLIGHT = 4
 # Extra room given to the NCCL watchdog beyond our own deadlines (see module docstring).
 _WATCHDOG_SLACK_S = 300.0
 
@@ -206,6 +222,7 @@ class _PairGroup:
         self.backend, self.device = conn.backend, conn.device
         self.peer = _SENDER_RANK if rank == _RECEIVER_RANK else _RECEIVER_RANK
         self._scratch: torch.Tensor | None = None
+        self._pending: deque[Any] = deque()  # recvs posted by start_recv, oldest first
         try:
             if self.backend == "gloo":
                 opts = dist.ProcessGroupGloo._Options()
@@ -233,30 +250,75 @@ class _PairGroup:
 
     def send(self, payload: torch.Tensor, timeout: float) -> None:
         """Returns once the payload's memory may be reused."""
+        work = self.start_send(payload, timeout)
+        if work is not None:
+            self.wait(work, timeout)
+
+    def start_send(self, payload: torch.Tensor, timeout: float) -> Any | None:
+        """Enqueue the payload's send; returns its Work (None: already out). nccl: the
+        send runs on the group's stream, which first waits for the current stream, so a
+        gather enqueued just before is what goes out; the caller keeps the payload
+        unchanged until `wait` (or `is_completed`) says so. gloo sends synchronously."""
         wire = _bytes(payload.contiguous())
         if not wire.numel():
-            return
+            return None
         if wire.device != self.device:
             wire = wire.to(self.device)
-        self._transfer(lambda: self.pg.send([wire], self.peer, _TAG), timeout)
+        work = self._start(lambda: self.pg.send([wire], self.peer, _TAG))
+        if self.backend == "gloo":
+            self.wait(work, timeout)
+            return None
+        return work
 
     def recv_into(self, out: torch.Tensor, timeout: float) -> None:
+        """Returns once the payload is in `out`, for the host too."""
         target = _bytes(out)
         if not target.numel():
             return
         wire = target if target.device == self.device else self._staging(target.numel())
-        self._transfer(lambda: self.pg.recv([wire], self.peer, _TAG), timeout)
+        self.wait(self._start(lambda: self.pg.recv([wire], self.peer, _TAG)), timeout)
         if wire is not target:
             target.copy_(wire)
+
+    def start_recv(self, out: torch.Tensor, timeout: float) -> None:
+        """Post the recv into `out` without waiting for it (nccl, `out` on our device):
+        the current stream of our device is made to wait for it, so work enqueued there
+        afterwards sees the bytes. At most _MAX_IN_FLIGHT recvs stay outstanding; `settle`
+        waits for them all. Anything else is received synchronously."""
+        target = _bytes(out)
+        if self.backend == "gloo" or target.device != self.device:
+            self.recv_into(out, timeout)
+            return
+        if not target.numel():
+            return
+        work = self._start(lambda: self.pg.recv([target], self.peer, _TAG))
+        work.wait()  # not a host wait: the current stream waits for the recv's end
+        self._pending.append(work)
+        while self._pending and (
+            len(self._pending) > _MAX_IN_FLIGHT or self._pending[0].is_completed()
+        ):
+            self.wait(self._pending.popleft(), timeout)
+
+    def settle(self, timeout: float) -> None:
+        """Return once every recv posted by `start_recv` has completed."""
+        while self._pending:
+            self.wait(self._pending.popleft(), timeout)
 
     def _staging(self, nbytes: int) -> torch.Tensor:
         if self._scratch is None or self._scratch.numel() < nbytes:
             self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._scratch[:nbytes]
 
-    def _transfer(self, start: Callable[[], Any], timeout: float) -> None:
+    def _start(self, op: Callable[[], Any]) -> Any:
         try:
-            work = start()
+            return op()
+        except Exception as exc:  # closed pair, aborted communicator
+            raise TransferError(f"{self.backend} transfer failed: {exc}") from exc
+
+    def wait(self, work: Any, timeout: float) -> None:
+        """Wait on the host for `work`, at most `timeout` seconds; an nccl group that
+        times out is aborted (that frees its stream) and the connection is over."""
+        try:
             if self.backend == "gloo":
                 work.wait(timedelta(seconds=timeout))
                 return
@@ -330,15 +392,17 @@ class NcclReceiver(Receiver):
         if frame.header.get("kind") == HELLO:
             self._welcome(peer, frame.header)
             return
-        if "shape" not in frame.header:  # header-only frame: nothing follows
-            self._on_frame(frame)
-            return
         with self._lock:
             group = self._groups.get(peer)
+        if "shape" not in frame.header:  # header-only frame: nothing follows
+            if group is not None:
+                group.settle(self._conn.io_timeout)  # every payload before it landed
+            self._on_frame(frame)
+            return
         if group is None:
             raise TransferError(f"{peer} sent a payload before its handshake")
         out = self._alloc_checked(frame.header)
-        group.recv_into(out, self._conn.io_timeout)
+        group.start_recv(out, self._conn.io_timeout)  # `out` may still be landing
         self._on_frame(Frame(frame.header, out, peer))
 
     def _alloc_checked(self, header: dict[str, Any]) -> torch.Tensor:
@@ -370,9 +434,11 @@ class NcclReceiver(Receiver):
     def _on_lost(self, peer: str, exc: Exception) -> None:
         with self._lock:
             group = self._groups.pop(peer, None)
-        self._on_error(peer, exc)  # first: an NCCL abort can take a while
+        # Abort first: a recv the dead peer never fed would hold back the stream, and
+        # on_error's handler may wait for work queued behind it (the agent's scatters).
         if group is not None:
             group.abort()
+        self._on_error(peer, exc)
 
 
 def _no_control_payloads(header: dict[str, Any]) -> torch.Tensor:
@@ -408,18 +474,30 @@ class NcclSender(Sender):
         self._io_timeout = connector.io_timeout
         self._broken: str | None = None
         self._closed = False
+        self._in_flight: list[_NcclSend] = []  # sends not yet seen completed
 
     def send(self, frame: Frame, timeout: float | None = None) -> None:
+        self.send_async(frame, timeout).wait(timeout)
+
+    def send_async(self, frame: Frame, timeout: float | None = None) -> SendHandle:
+        """The header goes out over tcp now, with no reply awaited; the payload's send is
+        enqueued on the group's stream (nccl; gloo sends it before returning)."""
         self._check_open()
         timeout = timeout or self._io_timeout
         try:
             self._link.control.send(Frame(payload_header(frame)), timeout)
-            if frame.payload is not None:
-                self._link.group.send(frame.payload, timeout)
+            if frame.payload is None:
+                return Sent()
+            work = self._link.group.start_send(frame.payload, timeout)
         except TransferError as exc:
             # Half a frame went out (or the group is dead): this connection is over.
             self._fail(str(exc))
             raise
+        if work is None:
+            return Sent()
+        handle = _NcclSend(self, work, frame.payload, timeout)
+        self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
+        return handle
 
     def poll(self, timeout: float = 0.0) -> Frame | None:
         self._check_open()
@@ -432,7 +510,11 @@ class NcclSender(Sender):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._connector._park(self._address, self._link)
+            if all(h.done() for h in self._in_flight):
+                self._connector._park(self._address, self._link)
+            else:  # a payload still on its way: mid-frame, the link can't be reused
+                self._link.close()
+            self._in_flight = []
 
     def _check_open(self) -> None:
         if self._closed:
@@ -442,3 +524,27 @@ class NcclSender(Sender):
     def _fail(self, why: str) -> None:
         self._broken, self._closed = why, True
         self._link.close()
+
+
+class _NcclSend(SendHandle):
+    """A payload's send enqueued on the group's stream; holds the payload until done."""
+
+    def __init__(self, sender: NcclSender, work: Any, payload: torch.Tensor,
+                 timeout: float) -> None:
+        self._sender, self._work, self._payload = sender, work, payload
+        self._timeout = timeout
+        self._done = False
+
+    def done(self) -> bool:
+        self._done = self._done or self._work.is_completed()
+        return self._done
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._done:
+            return
+        try:
+            self._sender._link.group.wait(self._work, timeout or self._timeout)
+        except TransferError as exc:
+            self._sender._fail(str(exc))
+            raise
+        self._done = True

@@ -6,8 +6,12 @@
         push.start()                 # layout checked here and by the receiver
         for i in range(layout.num_layers):
             ...compute layer i...
-            push.send_layer(i)       # raises once the receiver aborted
+            push.send_layer(i)       # raises once the receiver aborted; doesn't wait
         push.finish()                # returns when the sink is ready
+
+`send_layer` gathers into a small ring of staging buffers and sends asynchronously
+(`Sender.send_async`), so layers overlap on the link; while the link is still busy,
+consecutive layers are stacked into one message (up to `coalesce`).
 
 Every failure raises TransferError (LayoutMismatch for a layout mismatch) within a
 bounded time; leaving the `with` block on an exception aborts the transfer, so the
@@ -32,7 +36,7 @@ from tandem.kvtransfer.agent import (
     LAYOUT_MISMATCH,
     SinkInfo,
 )
-from tandem.kvtransfer.connector import Connector, Frame, Sender, TransferError
+from tandem.kvtransfer.connector import Connector, Frame, Sender, SendHandle, TransferError
 from tandem.kvtransfer.layout import KVLayout, LayoutMismatch
 from tandem.kvtransfer.staging import gather_blocks
 
@@ -49,7 +53,11 @@ class KVPush:
         connect_timeout: float = 5.0,
         send_timeout: float = 30.0,
         reply_timeout: float = 10.0,
+        ring: int = 2,
+        coalesce: int = 4,
     ) -> None:
+        if ring < 1 or coalesce < 1:
+            raise ValueError(f"ring and coalesce must be at least 1: {ring}, {coalesce}")
         if len(src_block_ids) != len(sink.block_ids):
             raise ValueError(
                 f"{len(src_block_ids)} source blocks for {len(sink.block_ids)} sink blocks"
@@ -64,8 +72,14 @@ class KVPush:
         self._reply_timeout = reply_timeout
         self._sender: Sender | None = None
         self._closed = False  # once closed (done, failed or aborted) nothing more is sent
-        # One staging buffer for every layer: `send` returns once it may be reused.
-        self._staging: torch.Tensor | None = None
+        # A ring of staging buffers, each room for `coalesce` layers: layers are gathered
+        # into the slot being filled while earlier slots are still on their way, and a
+        # slot is refilled only once its send is done.
+        self._coalesce = coalesce
+        self._ring: list[torch.Tensor | None] = [None] * ring
+        self._in_flight: list[SendHandle | None] = [None] * ring
+        self._slot = 0  # the slot being filled, with layers first .. first + count - 1
+        self._first, self._count = 0, 0
 
     def start(self) -> None:
         """Connect and open the transfer; returns once the receiver accepted it."""
@@ -85,13 +99,30 @@ class KVPush:
         self._await(ACCEPT)
 
     def send_layer(self, layer: int) -> None:
-        """Gather layer `layer`'s source blocks and send them as one payload."""
+        """Gather layer `layer`'s source blocks and start sending them; returns without
+        waiting for the bytes unless every staging slot is still on its way. While an
+        earlier send is still out, up to `coalesce` consecutive layers are gathered into
+        one message (a sender ahead of the link sends fewer, larger ones); once the link
+        is idle a layer goes out at once."""
         self._raise_if_aborted()
-        self._staging = gather_blocks(self._caches[layer], self._src, out=self._staging)
-        self._send({"kind": LAYER, "layer": layer}, self._staging)
+        if self._count and layer != self._first + self._count:
+            self._flush()
+        if not self._count:
+            self._settle(self._slot)
+            self._first = layer
+        staged = self._buffer(self._slot)[self._count]
+        # On CUDA the gather is enqueued on the current stream; the connector's send
+        # waits for that stream, so it reads the gathered bytes.
+        gather_blocks(self._caches[layer], self._src, out=staged)
+        self._count += 1
+        if self._count == self._coalesce or self._link_idle():
+            self._flush()
 
     def finish(self) -> None:
         """Close the transfer; returns once the receiver confirmed every layer landed."""
+        self._flush()
+        for slot in range(len(self._in_flight)):
+            self._settle(slot)
         self._send({"kind": END})
         try:
             self._await(DONE)
@@ -142,6 +173,48 @@ class KVPush:
         frame = Frame({**header, "request_id": self.sink.request_id}, payload)
         try:
             self._open().send(frame, self._send_timeout)
+        except TransferError:
+            self.close()
+            raise
+
+    def _buffer(self, slot: int) -> torch.Tensor:
+        # [coalesce, 2, n, bs, H, D]
+        if self._ring[slot] is None:
+            shape = (self._coalesce, *self.layout.staging_shape(len(self.sink.block_ids)))
+            self._ring[slot] = torch.empty(shape, dtype=self._caches[0].dtype,
+                                           device=self._caches[0].device)
+        return self._ring[slot]
+
+    def _link_idle(self) -> bool:
+        return all(h is None or h.done() for h in self._in_flight)
+
+    def _flush(self) -> None:
+        """Send the layers gathered into the current slot as one frame; next slot."""
+        if not self._count:
+            return
+        header = {"kind": LAYER, "layer": self._first, "request_id": self.sink.request_id}
+        staged = self._buffer(self._slot)
+        if self._count == 1:
+            payload = staged[0]
+        else:
+            header["layers"] = self._count
+            payload = staged[:self._count]
+        self._count = 0
+        try:
+            self._in_flight[self._slot] = self._open().send_async(Frame(header, payload),
+                                                                  self._send_timeout)
+        except TransferError:
+            self.close()
+            raise
+        self._slot = (self._slot + 1) % len(self._ring)
+
+    def _settle(self, slot: int) -> None:
+        """Wait until the send from `slot` is out, so its buffer may be reused."""
+        handle, self._in_flight[slot] = self._in_flight[slot], None
+        if handle is None:
+            return
+        try:
+            handle.wait(self._send_timeout)
         except TransferError:
             self.close()
             raise

@@ -20,7 +20,7 @@ from kv_helpers import (
 )
 
 from tandem.kvtransfer.agent import SinkInfo, State, TransferAgent
-from tandem.kvtransfer.connector import Frame, TransferError, get_connector
+from tandem.kvtransfer.connector import Frame, Sender, TransferError, get_connector
 from tandem.kvtransfer.layout import KVLayout
 from tandem.kvtransfer.sender import KVPush, push
 from tandem.kvtransfer.tcp import TcpConnector
@@ -119,6 +119,69 @@ def test_layer_by_layer_progress_and_ready_callback() -> None:
         assert agent.status("r").state is State.RELEASED
         assert not agent.abort("r")  # released blocks belong to the caller now
     finally:
+        agent.close()
+
+
+def _await_reply(sender: Sender, kind: str) -> dict:
+    frame = sender.poll(5.0)
+    assert frame is not None and frame.header["kind"] == kind, frame
+    return frame.header
+
+
+def test_a_frame_may_carry_several_consecutive_layers() -> None:
+    # What KVPush sends when it is ahead of the link: layers 0-2 stacked, then layer 3.
+    connector = TcpConnector()
+    src, dst = make_caches(16, seed=1), make_caches(16, seed=2)
+    before = clone(dst)
+    layout = KVLayout.of(dst, MODEL)
+    agent = TransferAgent(dst, layout, connector, lambda ids: None)
+    sender = None
+    try:
+        sink = agent.reserve("r", [9, 3], ttl_s=30)
+        sender = connector.sender(sink.address)
+        sender.send(Frame({"kind": "begin", "request_id": "r", "layout": layout.to_dict(),
+                           "num_blocks": 2}))
+        _await_reply(sender, "accept")
+        stacked = torch.stack([c[:, [1, 2]] for c in src[:3]])  # [3, 2, n, bs, H, D]
+        sender.send(Frame({"kind": "layer", "request_id": "r", "layer": 0, "layers": 3},
+                          stacked))
+        assert wait_until(lambda: agent.status("r").layers_received == 3)
+        assert agent.status("r").state is State.RECEIVING
+        sender.send(Frame({"kind": "layer", "request_id": "r", "layer": 3},
+                          src[3][:, [1, 2]].contiguous()))
+        sender.send(Frame({"kind": "end", "request_id": "r"}))
+        _await_reply(sender, "done")
+        assert_blocks_equal(dst, [9, 3], src, [1, 2])
+        assert_unchanged_except(before, dst, [9, 3])
+    finally:
+        if sender is not None:
+            sender.close()
+        agent.close()
+
+
+def test_a_layer_sent_again_in_a_stacked_frame_fails_the_sink() -> None:
+    connector = TcpConnector()
+    src, dst = make_caches(16, seed=1), make_caches(16, seed=2)
+    layout = KVLayout.of(dst, MODEL)
+    freed: list[list[int]] = []
+    agent = TransferAgent(dst, layout, connector, freed.append)
+    sender = None
+    try:
+        sink = agent.reserve("r", [9, 3], ttl_s=30)
+        sender = connector.sender(sink.address)
+        sender.send(Frame({"kind": "begin", "request_id": "r", "layout": layout.to_dict(),
+                           "num_blocks": 2}))
+        _await_reply(sender, "accept")
+        one = src[1][:, [1, 2]].contiguous()
+        sender.send(Frame({"kind": "layer", "request_id": "r", "layer": 1}, one))
+        sender.send(Frame({"kind": "layer", "request_id": "r", "layer": 0, "layers": 2},
+                          torch.stack([one, one])))
+        reply = _await_reply(sender, "abort")
+        assert reply["reason"] == "layers [1] sent twice"
+        assert agent.status("r").state is State.FAILED and freed == [[9, 3]]
+    finally:
+        if sender is not None:
+            sender.close()
         agent.close()
 
 
