@@ -24,7 +24,7 @@ is what goes out), and returns a handle: no host sync per frame. The receiver po
 recv as its header arrives and makes its current stream wait for it, so `on_frame` gets
 a tensor still landing; work it enqueues on that stream (the agent's scatter) runs after
 the bytes, and a buffer handed back and posted again is only overwritten after that work
-(the recv waits for the current stream too). At most _MAX_IN_FLIGHT recvs stay
+(the recv waits for the current stream too). At most MAX_IN_FLIGHT recvs stay
 unconfirmed per connection, and a header-only frame is delivered only once all before it
 landed. gloo keeps both sides synchronous behind the same calls.
 
@@ -44,8 +44,6 @@ import logging
 import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -67,6 +65,7 @@ from tandem.kvtransfer.connector import (
     payload_header,
     payload_spec,
 )
+from tandem.kvtransfer.nccl_group import RECEIVER_RANK, SENDER_RANK, PairGroup
 from tandem.kvtransfer.tcp import TcpConnector, TcpReceiver, TcpSender
 
 log = logging.getLogger(__name__)
@@ -74,13 +73,6 @@ log = logging.getLogger(__name__)
 _SCHEME = "nccl://"
 HELLO, WELCOME = "nccl_hello", "nccl_welcome"  # control kinds private to this connector
 BACKENDS = ("nccl", "gloo")
-_RECEIVER_RANK, _SENDER_RANK = 0, 1
-_TAG = 0
-# Payloads a connection may have on their way at once (posted recvs, unfinished sends):
-# enough to keep the link busy while the host runs ahead, few enough to bound memory.
-_MAX_IN_FLIGHT = 4
-# Extra room given to the NCCL watchdog beyond our own deadlines (see module docstring).
-_WATCHDOG_SLACK_S = 300.0
 
 
 def _tcp_address(address: str) -> str:
@@ -99,11 +91,6 @@ def _source_ip(host: str) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))
         return s.getsockname()[0]
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    # uint8 reinterpretation: every dtype (bf16 included) travels bit-exact.
-    return t.reshape(-1).view(torch.uint8)
 
 
 class NcclConnector(Connector):
@@ -143,6 +130,11 @@ class NcclConnector(Connector):
     ) -> NcclReceiver:
         return NcclReceiver(self, host, alloc, on_frame, on_error)
 
+    def group(self, store: dist.Store, rank: int, hostname: str) -> PairGroup:
+        return PairGroup(
+            self.backend, self.device, store, rank, hostname, self.setup_timeout, self.io_timeout
+        )
+
     def sender(self, address: str, connect_timeout: float = 5.0) -> NcclSender:
         link = self._reuse(address) or self._connect(address, connect_timeout)
         return NcclSender(self, link, address)
@@ -167,8 +159,8 @@ class NcclConnector(Connector):
                 host, int(welcome["store_port"]), is_master=False,
                 timeout=timedelta(seconds=self.setup_timeout), wait_for_workers=False,
             )
-            group = _PairGroup(
-                self, dist.PrefixStore(welcome["pair"], store), _SENDER_RANK, _source_ip(host)
+            group = self.group(
+                dist.PrefixStore(welcome["pair"], store), SENDER_RANK, _source_ip(host)
             )
         except BaseException as exc:
             control.close()
@@ -214,135 +206,6 @@ def _await_welcome(control: TcpSender, address: str, timeout: float) -> dict[str
     raise TransferError(f"no handshake from {address} in {timeout:g}s")
 
 
-class _PairGroup:
-    """One connection's two-rank process group, used by one thread at a time (the
-    connection's), except `abort`, which any thread may call to unblock it."""
-
-    def __init__(self, conn: NcclConnector, store: dist.Store, rank: int, hostname: str) -> None:
-        self.backend, self.device = conn.backend, conn.device
-        self.peer = _SENDER_RANK if rank == _RECEIVER_RANK else _RECEIVER_RANK
-        self._scratch: torch.Tensor | None = None
-        self._pending: deque[Any] = deque()  # recvs posted by start_recv, oldest first
-        try:
-            if self.backend == "gloo":
-                opts = dist.ProcessGroupGloo._Options()
-                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
-                opts._timeout = timedelta(seconds=conn.setup_timeout)
-                opts._threads = 1  # send/recv don't use the worker pool
-                # Blocks until both ranks connected, at most setup_timeout.
-                self.pg: Any = dist.ProcessGroupGloo(store, rank, 2, opts)
-            else:
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = timedelta(seconds=conn.io_timeout + _WATCHDOG_SLACK_S)
-                self.pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
-                self._warm_up(conn.setup_timeout)
-        except TransferError:
-            raise
-        except Exception as exc:  # DistStoreError, gloo/NCCL RuntimeError
-            raise TransferError(f"process group setup failed: {exc}") from exc
-
-    def _warm_up(self, timeout: float) -> None:
-        one = torch.zeros(1, dtype=torch.uint8, device=self.device)
-        if self.peer == _RECEIVER_RANK:
-            self.send(one, timeout)
-        else:
-            self.recv_into(one, timeout)
-
-    def send(self, payload: torch.Tensor, timeout: float) -> None:
-        """Returns once the payload's memory may be reused."""
-        work = self.start_send(payload, timeout)
-        if work is not None:
-            self.wait(work, timeout)
-
-    def start_send(self, payload: torch.Tensor, timeout: float) -> Any | None:
-        """Enqueue the payload's send; returns its Work (None: already out). nccl: the
-        send runs on the group's stream, which first waits for the current stream, so a
-        gather enqueued just before is what goes out; the caller keeps the payload
-        unchanged until `wait` (or `is_completed`) says so. gloo sends synchronously."""
-        wire = _bytes(payload.contiguous())
-        if not wire.numel():
-            return None
-        if wire.device != self.device:
-            wire = wire.to(self.device)
-        work = self._start(lambda: self.pg.send([wire], self.peer, _TAG))
-        if self.backend == "gloo":
-            self.wait(work, timeout)
-            return None
-        return work
-
-    def recv_into(self, out: torch.Tensor, timeout: float) -> None:
-        """Returns once the payload is in `out`, for the host too."""
-        target = _bytes(out)
-        if not target.numel():
-            return
-        wire = target if target.device == self.device else self._staging(target.numel())
-        self.wait(self._start(lambda: self.pg.recv([wire], self.peer, _TAG)), timeout)
-        if wire is not target:
-            target.copy_(wire)
-
-    def start_recv(self, out: torch.Tensor, timeout: float) -> None:
-        """Post the recv into `out` without waiting for it (nccl, `out` on our device):
-        the current stream of our device is made to wait for it, so work enqueued there
-        afterwards sees the bytes. At most _MAX_IN_FLIGHT recvs stay outstanding; `settle`
-        waits for them all. Anything else is received synchronously."""
-        target = _bytes(out)
-        if self.backend == "gloo" or target.device != self.device:
-            self.recv_into(out, timeout)
-            return
-        if not target.numel():
-            return
-        work = self._start(lambda: self.pg.recv([target], self.peer, _TAG))
-        work.wait()  # not a host wait: the current stream waits for the recv's end
-        self._pending.append(work)
-        while self._pending and (
-            len(self._pending) > _MAX_IN_FLIGHT or self._pending[0].is_completed()
-        ):
-            self.wait(self._pending.popleft(), timeout)
-
-    def settle(self, timeout: float) -> None:
-        """Return once every recv posted by `start_recv` has completed."""
-        while self._pending:
-            self.wait(self._pending.popleft(), timeout)
-
-    def _staging(self, nbytes: int) -> torch.Tensor:
-        if self._scratch is None or self._scratch.numel() < nbytes:
-            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self._scratch[:nbytes]
-
-    def _start(self, op: Callable[[], Any]) -> Any:
-        try:
-            return op()
-        except Exception as exc:  # closed pair, aborted communicator
-            raise TransferError(f"{self.backend} transfer failed: {exc}") from exc
-
-    def wait(self, work: Any, timeout: float) -> None:
-        """Wait on the host for `work`, at most `timeout` seconds; an nccl group that
-        times out is aborted (that frees its stream) and the connection is over."""
-        try:
-            if self.backend == "gloo":
-                work.wait(timedelta(seconds=timeout))
-                return
-            deadline = time.monotonic() + timeout
-            pause = 1e-5
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    self.abort()
-                    raise TransferError(f"nccl transfer timed out after {timeout:g}s")
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
-            work.wait()  # raises if it failed; orders the current stream after it
-        except TransferError:
-            raise
-        except Exception as exc:  # gloo timeout or closed pair, NCCL error
-            raise TransferError(f"{self.backend} transfer failed: {exc}") from exc
-
-    def abort(self) -> None:
-        try:
-            self.pg.abort()
-        except Exception as exc:  # already gone: nothing more to free
-            log.debug("abort of %s group failed: %s", self.backend, exc)
-
-
 class NcclReceiver(Receiver):
     def __init__(
         self,
@@ -359,7 +222,7 @@ class NcclReceiver(Receiver):
             host, 0, is_master=True, wait_for_workers=False,
             timeout=timedelta(seconds=conn.setup_timeout),
         )
-        self._groups: dict[str, _PairGroup] = {}
+        self._groups: dict[str, PairGroup] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._tcp: TcpReceiver = conn._tcp.receiver(
@@ -423,8 +286,7 @@ class NcclReceiver(Receiver):
         pair = f"tandem-kv/{peer}/"
         self.reply(peer, Frame({"kind": WELCOME, "store_port": self._store.port, "pair": pair}))
         hostname = "" if self._host in ("", "0.0.0.0", "::") else self._host
-        group = _PairGroup(self._conn, dist.PrefixStore(pair, self._store), _RECEIVER_RANK,
-                           hostname)
+        group = self._conn.group(dist.PrefixStore(pair, self._store), RECEIVER_RANK, hostname)
         with self._lock:
             if self._closed:
                 group.abort()
@@ -450,7 +312,7 @@ class _Link:
     """A sender's connection: the control socket and the process group."""
 
     control: TcpSender
-    group: _PairGroup
+    group: PairGroup
 
     def drain(self) -> bool:
         """Drop replies left from an earlier transfer; False if the receiver is gone."""
