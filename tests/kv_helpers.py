@@ -4,15 +4,17 @@ every connector must pass (`roundtrip`)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from tandem.engine.block_pool import BlockPool
 from tandem.kvtransfer.agent import SinkInfo, TransferAgent
-from tandem.kvtransfer.connector import Connector
+from tandem.kvtransfer.connector import Connector, Frame, payload_spec
 from tandem.kvtransfer.layout import KVLayout
 from tandem.kvtransfer.sender import KVPush, push
 
@@ -136,3 +138,55 @@ def send_some_layers_then_hang(
         p.send_layer(layer)
     sent.set()  # type: ignore[attr-defined]
     time.sleep(60)  # the parent SIGKILLs us long before this
+
+
+class Inbox:
+    """What a Receiver delivered, for the test thread to wait on."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+        self.frames: list[Frame] = []
+        self.errors: list[tuple[str, Exception]] = []
+        self._cond = threading.Condition()
+
+    def alloc(self, header: dict[str, Any]) -> torch.Tensor:
+        dtype, shape = payload_spec(header)
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def on_frame(self, frame: Frame) -> None:
+        with self._cond:
+            self.frames.append(frame)
+            self._cond.notify_all()
+
+    def on_error(self, peer: str, exc: Exception) -> None:
+        with self._cond:
+            self.errors.append((peer, exc))
+            self._cond.notify_all()
+
+    def wait(self, frames: int = 0, errors: int = 0, timeout: float = 20.0) -> bool:
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: len(self.frames) >= frames and len(self.errors) >= errors, timeout
+            )
+
+    def by_sender(self) -> dict[int, list[Frame]]:
+        out: dict[int, list[Frame]] = {}
+        for f in self.frames:
+            out.setdefault(f.header["sender"], []).append(f)
+        return out
+
+
+def spawn(target: Any, *args: Any) -> multiprocessing.Process:
+    proc = multiprocessing.get_context("spawn").Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def join_all(*procs: multiprocessing.Process, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]

@@ -18,17 +18,20 @@ import pytest
 import torch
 from kv_helpers import (
     MODEL,
+    Inbox,
     PoolBlocks,
     assert_blocks_equal,
     assert_unchanged_except,
     clone,
+    join_all,
     make_caches,
     roundtrip,
+    spawn,
     wait_until,
 )
 
 from tandem.kvtransfer.agent import SinkInfo, State, TransferAgent
-from tandem.kvtransfer.connector import Frame, TransferError, get_connector, payload_spec
+from tandem.kvtransfer.connector import Frame, TransferError, get_connector
 from tandem.kvtransfer.layout import KVLayout
 from tandem.kvtransfer.nccl import HELLO, NcclConnector
 from tandem.kvtransfer.sender import KVPush, push
@@ -59,42 +62,6 @@ def _frame(sender: int, i: int, device: str = "cpu") -> Frame:
     return Frame({"kind": "t", "sender": sender, "i": i}, _expected(sender, i, device))
 
 
-class Inbox:
-    """What a Receiver delivered, for the test thread to wait on."""
-
-    def __init__(self, device: str = "cpu") -> None:
-        self.device = device
-        self.frames: list[Frame] = []
-        self.errors: list[tuple[str, Exception]] = []
-        self._cond = threading.Condition()
-
-    def alloc(self, header: dict[str, Any]) -> torch.Tensor:
-        dtype, shape = payload_spec(header)
-        return torch.empty(shape, dtype=dtype, device=self.device)
-
-    def on_frame(self, frame: Frame) -> None:
-        with self._cond:
-            self.frames.append(frame)
-            self._cond.notify_all()
-
-    def on_error(self, peer: str, exc: Exception) -> None:
-        with self._cond:
-            self.errors.append((peer, exc))
-            self._cond.notify_all()
-
-    def wait(self, frames: int = 0, errors: int = 0, timeout: float = 20.0) -> bool:
-        with self._cond:
-            return self._cond.wait_for(
-                lambda: len(self.frames) >= frames and len(self.errors) >= errors, timeout
-            )
-
-    def by_sender(self) -> dict[int, list[Frame]]:
-        out: dict[int, list[Frame]] = {}
-        for f in self.frames:
-            out.setdefault(f.header["sender"], []).append(f)
-        return out
-
-
 def assert_frames_exact(frames: list[Frame], sender: int) -> None:
     assert [f.header["i"] for f in frames] == list(range(FRAMES)), "order not kept"
     for f in frames:
@@ -117,20 +84,7 @@ def inbox() -> Iterator[tuple[Inbox, Any]]:
     receiver.close()
 
 
-def _spawn(target: Any, *args: Any) -> multiprocessing.Process:
-    proc = multiprocessing.get_context("spawn").Process(target=target, args=args, daemon=True)
-    proc.start()
-    return proc
 
-
-def _join(*procs: multiprocessing.Process, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
 # -- subprocess bodies (spawn) ---------------------------------------------------------
@@ -232,14 +186,14 @@ def test_a_closed_sender_parks_its_connection_for_the_next(inbox) -> None:  # no
 
 def test_two_sender_processes_into_one_receiver(inbox) -> None:  # noqa: ANN001
     box, receiver = inbox
-    procs = [_spawn(send_frames_and_await_reply, receiver.address, n) for n in (1, 2)]
+    procs = [spawn(send_frames_and_await_reply, receiver.address, n) for n in (1, 2)]
     try:
         assert box.wait(frames=2 * FRAMES, timeout=40), f"{len(box.frames)} frames arrived"
         for sender, frames in box.by_sender().items():
             assert_frames_exact(frames, sender)
             receiver.reply(frames[0].peer, Frame({"kind": "bye", "sender": sender}))
         assert sorted(box.by_sender()) == [1, 2]
-        _join(*procs)
+        join_all(*procs)
     finally:
         for p in procs:
             if p.is_alive():
@@ -269,7 +223,7 @@ def test_connect_to_a_silent_listener_times_out() -> None:
 def test_sender_killed_mid_stream_is_reported_once(inbox) -> None:  # noqa: ANN001
     box, receiver = inbox
     sent = multiprocessing.get_context("spawn").Event()
-    proc = _spawn(send_two_frames_then_hang, receiver.address, sent)
+    proc = spawn(send_two_frames_then_hang, receiver.address, sent)
     try:
         assert sent.wait(timeout=30) and box.wait(frames=2)
         os.kill(proc.pid, signal.SIGKILL)
@@ -382,7 +336,7 @@ def test_kv_pushed_from_another_process() -> None:
     try:
         sink_ids, src_ids = [9, 4, 14], [2, 0, 7]
         sink = agent.reserve("x", sink_ids, ttl_s=60)
-        _join(_spawn(push_kv, sink.to_dict(), src_ids, "bfloat16", "gloo", "cpu"))
+        join_all(spawn(push_kv, sink.to_dict(), src_ids, "bfloat16", "gloo", "cpu"))
         assert agent.wait_ready("x", timeout=5) and agent.release("x") == tuple(sink_ids)
         assert_blocks_equal(dst, sink_ids, make_caches(16, torch.bfloat16, seed=1), src_ids)
         assert_unchanged_except(before, dst, sink_ids)
@@ -400,7 +354,7 @@ def test_kv_sender_killed_mid_transfer_frees_the_sink() -> None:
     try:
         ids = blocks.allocate(4)
         sink = agent.reserve("r", ids, ttl_s=60)  # long TTL: the disconnect must free it
-        proc = _spawn(push_some_layers_then_hang, sink.to_dict(), [0, 1, 2, 3], 2, sent)
+        proc = spawn(push_some_layers_then_hang, sink.to_dict(), [0, 1, 2, 3], 2, sent)
         try:
             assert sent.wait(timeout=30)
             assert wait_until(lambda: agent.status("r").layers_received == 2)
@@ -429,14 +383,14 @@ def test_nccl_frames_between_two_gpus() -> None:
     receiver = _connector("nccl", device="cuda:1").receiver(
         "127.0.0.1", box.alloc, box.on_frame, box.on_error
     )
-    procs = [_spawn(send_frames_and_await_reply, receiver.address, 3, "nccl", "cuda:0")]
+    procs = [spawn(send_frames_and_await_reply, receiver.address, 3, "nccl", "cuda:0")]
     try:
         assert box.wait(frames=FRAMES, timeout=60), f"{len(box.frames)} frames arrived"
         assert all(f.payload is None or f.payload.device == torch.device("cuda:1")
                    for f in box.frames)
         assert_frames_exact(box.frames, 3)
         receiver.reply(box.frames[0].peer, Frame({"kind": "bye", "sender": 3}))
-        _join(*procs, timeout=60)
+        join_all(*procs, timeout=60)
     finally:
         receiver.close()
 
@@ -453,7 +407,7 @@ def test_nccl_kv_push_between_two_gpus(dtype: str) -> None:
     try:
         sink_ids, src_ids = [9, 4, 14, 0], [2, 0, 7, 15]
         sink = agent.reserve("g", sink_ids, ttl_s=120)
-        _join(_spawn(push_kv, sink.to_dict(), src_ids, dtype, "nccl", "cuda:0"), timeout=90)
+        join_all(spawn(push_kv, sink.to_dict(), src_ids, dtype, "nccl", "cuda:0"), timeout=90)
         assert agent.wait_ready("g", timeout=10)
         src = make_caches(16, getattr(torch, dtype), seed=1)
         assert_blocks_equal(dst, sink_ids, src, src_ids)
