@@ -45,10 +45,10 @@ class ModelRunner:
         p = next(model.parameters())
         self.model, self.sampler = model, sampler
         self.device, self.dtype, self.block_size = p.device, p.dtype, block_size
-        shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.num_layers)
-        ]
+        # One tensor, a [2, num_blocks, block_size, H, D] view per layer: a KV transfer
+        # gathers and scatters a run of layers in one kernel (kvtransfer/staging.py).
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = list(torch.zeros(shape, dtype=p.dtype, device=p.device).unbind(0))
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> SamplerOutput:

@@ -39,9 +39,15 @@ from typing import Any
 
 import torch
 
-from tandem.kvtransfer.connector import Connector, Frame, TransferError, payload_spec
+from tandem.kvtransfer.connector import (
+    Connector,
+    Frame,
+    TransferError,
+    payload_spec,
+    poll_until,
+)
 from tandem.kvtransfer.layout import KVLayout, LayoutMismatch
-from tandem.kvtransfer.staging import StagingPool, scatter_blocks
+from tandem.kvtransfer.staging import KVRows, StagingPool
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +130,7 @@ class TransferAgent:
         KVLayout.of(kv_caches, layout.model_id).check(layout)
         self.layout = layout
         self._caches = list(kv_caches)
+        self._rows = KVRows(self._caches)
         self._device = self._caches[0].device
         self._num_blocks = self._caches[0].shape[1]
         self._free_blocks, self._on_ready, self._on_failed = free_blocks, on_ready, on_failed
@@ -131,6 +138,8 @@ class TransferAgent:
         self._sinks: dict[str, _Sink] = {}
         self._owned: set[int] = set()  # block ids of live and ready sinks
         self._buffers = StagingPool()
+        # CUDA: scatters run here, off the receiving and the engine's streams.
+        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._receiver = connector.receiver(host, self._alloc, self._on_frame, self._on_error)
@@ -281,19 +290,14 @@ class TransferAgent:
             ):
                 error = f"layer {layer} payload is not {want} {self.layout.dtype}"
             else:
-                # Stream-ordered: runs once the payload landed. The buffer goes back to the
-                # pool now; its next recv is enqueued after this scatter on the same stream.
                 staged = payload.view(count, *self._layer_shape(sink))
-                for i, each in enumerate(layers):
-                    scatter_blocks(self._caches[each], sink.index, staged[i])
-                self._buffers.give(payload)
+                landed = self._scatter(sink, layer, staged, payload)
                 last = len(sink.layers) + count == self.layout.num_layers
-                if self._device.type == "cuda":
-                    sink.landed = torch.cuda.Event()
-                    sink.landed.record(torch.cuda.current_stream(self._device))
+                if landed is not None:
+                    sink.landed = landed
                     # Ready means the bytes are in place: wait, bounded by the TTL, for
                     # the last scatter; a stuck one ends the connection.
-                    if last and not _await_landed(sink.landed, sink.deadline):
+                    if last and not poll_until(sink.landed.query, sink.deadline):
                         raise TransferError(f"layer {layers[-1]} did not land before the TTL")
                 with self._lock:
                     sink.layers.update(layers)
@@ -305,6 +309,27 @@ class TransferAgent:
         elif ready:
             sink.done.set()
             _call(self._on_ready, rid)
+
+    def _scatter(
+        self, sink: _Sink, first: int, staged: torch.Tensor, payload: torch.Tensor
+    ) -> torch.cuda.Event | None:
+        """Enqueue the scatter of `staged` (a view of `payload`) into the sink's blocks and
+        hand the buffer back; on CUDA, the event after the scatter. The scatter runs on
+        the agent's own stream, after the bytes landed (the connector made the current
+        stream wait for them), so neither the next frame's receive nor the engine's work
+        waits for it, and it waits for neither."""
+        if self._stream is None:
+            self._rows.scatter(first, sink.index, staged)
+            self._buffers.give(payload)
+            return None
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._stream):
+            self._rows.scatter(first, sink.index, staged)
+        payload.record_stream(self._stream)  # the allocator must not reuse it before
+        landed = torch.cuda.Event()
+        landed.record(self._stream)
+        self._buffers.give(payload, landed)
+        return landed
 
     def _on_end(self, header: dict[str, Any], _: torch.Tensor | None, peer: str) -> None:
         rid = header["request_id"]
@@ -354,7 +379,8 @@ class TransferAgent:
                 peer = peer or sink.peer
         sink.done.set()
         log.info("KV transfer %s failed: %s", sink.request_id, reason)
-        if sink.landed is None or _await_landed(sink.landed, time.monotonic() + _LANDING_GRACE_S):
+        grace = time.monotonic() + _LANDING_GRACE_S
+        if sink.landed is None or poll_until(sink.landed.query, grace):
             with self._lock:
                 self._owned.difference_update(sink.block_ids)
             try:
@@ -387,17 +413,6 @@ class TransferAgent:
                     del self._sinks[rid]
             for sink in expired:
                 self._fail(sink, f"reservation expired after {sink.ttl_s:g}s", notify=True)
-
-
-def _await_landed(event: torch.cuda.Event, deadline: float) -> bool:
-    """Poll `event` until it completed (True) or `deadline` (time.monotonic()) passed."""
-    pause = 1e-5
-    while not event.query():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
-    return True
 
 
 def _abort(request_id: str, reason: str, error: str | None = None) -> Frame:

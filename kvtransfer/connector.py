@@ -36,6 +36,7 @@ defaults, which raise.
 from __future__ import annotations
 
 import importlib
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,6 +82,20 @@ def payload_header(frame: Frame) -> dict[str, Any]:
 def payload_spec(header: dict[str, Any]) -> tuple[torch.dtype, tuple[int, ...]]:
     """The (dtype, shape) a header announces for its payload."""
     return dtype_from_name(header["dtype"]), tuple(int(n) for n in header["shape"])
+
+
+def poll_until(done: Callable[[], bool], deadline: float) -> bool:
+    """Poll `done()` until it is True (True) or time.monotonic() passes `deadline` (False).
+    Sleeps 5 us doubling to 50 us for the first 10 ms, so the end of a GPU operation of
+    a few hundred microseconds is seen promptly, then up to 1 ms, so a long wait idles."""
+    start, pause = time.monotonic(), 5e-6
+    while not done():
+        now = time.monotonic()
+        if now > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 5e-5 if now - start < 0.01 else 1e-3)
+    return True
 
 
 # Given an incoming frame's header (which names the payload's shape and dtype), return

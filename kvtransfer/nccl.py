@@ -21,10 +21,12 @@ nccl, or the agent's CPU scratch for bytes it will drop) crosses through a tempo
 Pipelining (nccl). `send_async` writes the header and enqueues the payload's send on the
 group's stream, which waits for the caller's current stream (so a gather just enqueued
 is what goes out), and returns a handle: no host sync per frame. The receiver posts each
-recv as its header arrives and makes its current stream wait for it, so `on_frame` gets
-a tensor still landing; work it enqueues on that stream (the agent's scatter) runs after
-the bytes, and a buffer handed back and posted again is only overwritten after that work
-(the recv waits for the current stream too). At most MAX_IN_FLIGHT recvs stay
+recv as its header arrives, with the connection's own stream current, and makes that
+stream wait for it; `on_frame` runs with that stream current and gets a tensor still
+landing: work ordered after that stream (the agent's scatter, on its own stream) sees the
+bytes. The recv waits only for that stream, so a buffer's reuse is ordered by whoever
+hands it out (`alloc` makes the stream wait for the buffer's last reader), and nothing on
+the engine's streams holds a receive back. At most MAX_IN_FLIGHT recvs stay
 unconfirmed per connection, and a header-only frame is delivered only once all before it
 landed. gloo keeps both sides synchronous behind the same calls.
 
@@ -223,6 +225,9 @@ class NcclReceiver(Receiver):
             timeout=timedelta(seconds=conn.setup_timeout),
         )
         self._groups: dict[str, PairGroup] = {}
+        # Per connection: a receive posted for an announced payload (header, tensor, work);
+        # only that connection's thread touches its entry.
+        self._ahead: dict[str, tuple[dict[str, Any], torch.Tensor, Any]] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._tcp: TcpReceiver = conn._tcp.receiver(
@@ -261,12 +266,44 @@ class NcclReceiver(Receiver):
             if group is not None:
                 group.settle(self._conn.io_timeout)  # every payload before it landed
             self._on_frame(frame)
-            return
-        if group is None:
+            # After the handler (a begin opens what it announces):
+            if "next" in frame.header and group is not None:
+                self._post_ahead(peer, group, frame.header["next"])
+        elif group is None:
             raise TransferError(f"{peer} sent a payload before its handshake")
-        out = self._alloc_checked(frame.header)
-        group.start_recv(out, self._conn.io_timeout)  # `out` may still be landing
-        self._on_frame(Frame(frame.header, out, peer))
+        else:
+            with group.receiving():
+                out = self._landing(peer, group, frame.header)  # `out` may still be landing
+                if "next" in frame.header:  # before the handler: the link is busy meanwhile
+                    self._post_ahead(peer, group, frame.header["next"])
+                self._on_frame(Frame(frame.header, out, peer))
+
+    def _landing(self, peer: str, group: PairGroup, header: dict[str, Any]) -> torch.Tensor:
+        """The tensor this payload lands in: the receive posted ahead for it, or a new one.
+        The current stream is made to wait for it."""
+        ahead = self._ahead.pop(peer, None)
+        if ahead is None:
+            out = self._alloc_checked(header)
+            group.start_recv(out, self._conn.io_timeout)
+            return out
+        announced, out, work = ahead
+        if announced != {k: v for k, v in header.items() if k != "next"}:
+            # The posted receive took this payload's bytes (NCCL matches in order), so
+            # they can't be trusted: the connection is over.
+            raise TransferError(f"{peer} sent {header} after announcing {announced}")
+        group.landed(work, self._conn.io_timeout)
+        return out
+
+    def _post_ahead(self, peer: str, group: PairGroup, header: dict[str, Any]) -> None:
+        """Post the receive of an announced payload now, so its bytes can flow as soon as
+        they are sent (nccl, into device memory only; otherwise it is posted on arrival)."""
+        if group.backend != "nccl":
+            return
+        with group.receiving():
+            out = self._alloc_checked(header)
+            if out.device != self._conn.device:
+                return  # bytes the allocator would drop: they take the slow path on arrival
+            self._ahead[peer] = (header, out, group.post_recv(out))
 
     def _alloc_checked(self, header: dict[str, Any]) -> torch.Tensor:
         dtype, shape = payload_spec(header)
@@ -294,6 +331,7 @@ class NcclReceiver(Receiver):
             self._groups[peer] = group
 
     def _on_lost(self, peer: str, exc: Exception) -> None:
+        self._ahead.pop(peer, None)  # its receive ends with the group's abort below
         with self._lock:
             group = self._groups.pop(peer, None)
         # Abort first: a recv the dead peer never fed would hold back the stream, and
@@ -337,6 +375,9 @@ class NcclSender(Sender):
         self._broken: str | None = None
         self._closed = False
         self._in_flight: list[_NcclSend] = []  # sends not yet seen completed
+        # A message announced (`next`) and not sent yet: the receiver has a receive posted
+        # for it, so this connection can't carry anything else and is not parked.
+        self._owed: dict[str, Any] | None = None
 
     def send(self, frame: Frame, timeout: float | None = None) -> None:
         self.send_async(frame, timeout).wait(timeout)
@@ -346,15 +387,27 @@ class NcclSender(Sender):
         enqueued on the group's stream (nccl; gloo sends it before returning)."""
         self._check_open()
         timeout = timeout or self._io_timeout
+        header = Frame(payload_header(frame))
+        work = None
         try:
-            self._link.control.send(Frame(payload_header(frame)), timeout)
             if frame.payload is None:
-                return Sent()
-            work = self._link.group.start_send(frame.payload, timeout)
+                self._link.control.send(header, timeout)
+            elif self._link.group.backend == "nccl":
+                # Payload first: its send only waits on the GPU for the matching receive,
+                # which may already be posted (announced ahead); the header follows.
+                work = self._link.group.start_send(frame.payload, timeout)
+                self._link.control.send(header, timeout)
+            else:  # gloo sends synchronously: the receiver needs the header first
+                self._link.control.send(header, timeout)
+                work = self._link.group.start_send(frame.payload, timeout)
         except TransferError as exc:
             # Half a frame went out (or the group is dead): this connection is over.
             self._fail(str(exc))
             raise
+        if frame.payload is not None:
+            self._owed = None  # the announced message, if one was owed, is this one
+        if "next" in frame.header:
+            self._owed = frame.header["next"]
         if work is None:
             return Sent()
         handle = _NcclSend(self, work, frame.payload, timeout)
@@ -372,9 +425,9 @@ class NcclSender(Sender):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            if all(h.done() for h in self._in_flight):
+            if self._owed is None and all(h.done() for h in self._in_flight):
                 self._connector._park(self._address, self._link)
-            else:  # a payload still on its way: mid-frame, the link can't be reused
+            else:  # mid-message or a receive posted for nothing: the link can't be reused
                 self._link.close()
             self._in_flight = []
 

@@ -8,13 +8,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tandem.kvtransfer.connector import TransferError
+from tandem.kvtransfer.connector import TransferError, poll_until
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,10 @@ class PairGroup:
         self.peer = SENDER_RANK if rank == RECEIVER_RANK else RECEIVER_RANK
         self._scratch: torch.Tensor | None = None
         self._pending: deque[Any] = deque()  # recvs posted by start_recv, oldest first
+        # nccl: receives are posted with this stream current, so each waits only for what
+        # the receiving side put there (a buffer's last reader), never for the engine's
+        # or a scatter's work on other streams.
+        self.stream = torch.cuda.Stream(device) if backend == "nccl" else None
         try:
             if self.backend == "gloo":
                 opts = dist.ProcessGroupGloo._Options()
@@ -97,6 +102,10 @@ class PairGroup:
             return None
         return work
 
+    def receiving(self) -> AbstractContextManager[Any]:
+        """Where a receiving thread allocates, posts and hands over one payload."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+
     def recv_into(self, out: torch.Tensor, timeout: float) -> None:
         """Returns once the payload is in `out`, for the host too."""
         target = _bytes(out)
@@ -108,17 +117,25 @@ class PairGroup:
             target.copy_(wire)
 
     def start_recv(self, out: torch.Tensor, timeout: float) -> None:
-        """Post the recv into `out` without waiting for it (nccl, `out` on our device):
-        the current stream of our device is made to wait for it, so work enqueued there
+        """Receive into `out` without waiting for it (nccl, `out` on our device): the
+        current stream of our device is made to wait for it, so work enqueued there
         afterwards sees the bytes. At most MAX_IN_FLIGHT recvs stay outstanding; `settle`
         waits for them all. Anything else is received synchronously."""
         target = _bytes(out)
         if self.backend == "gloo" or target.device != self.device:
             self.recv_into(out, timeout)
             return
-        if not target.numel():
-            return
-        work = self._start(lambda: self.pg.recv([target], self.peer, _TAG))
+        if target.numel():
+            self.landed(self.post_recv(out), timeout)
+
+    def post_recv(self, out: torch.Tensor) -> Any:
+        """nccl: enqueue a receive into `out` (on our device, non-empty) and return its Work;
+        nothing waits for it until `landed`. Receives match sends in posting order."""
+        target = _bytes(out)
+        return self._start(lambda: self.pg.recv([target], self.peer, _TAG))
+
+    def landed(self, work: Any, timeout: float) -> None:
+        """Make the current stream wait for a receive posted by `post_recv`."""
         work.wait()  # not a host wait: the current stream waits for the recv's end
         self._pending.append(work)
         while self._pending and (
@@ -149,14 +166,9 @@ class PairGroup:
             if self.backend == "gloo":
                 work.wait(timedelta(seconds=timeout))
                 return
-            deadline = time.monotonic() + timeout
-            pause = 1e-5
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    self.abort()
-                    raise TransferError(f"nccl transfer timed out after {timeout:g}s")
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+            if not poll_until(work.is_completed, time.monotonic() + timeout):
+                self.abort()
+                raise TransferError(f"nccl transfer timed out after {timeout:g}s")
             work.wait()  # raises if it failed; orders the current stream after it
         except TransferError:
             raise

@@ -9,9 +9,15 @@
             push.send_layer(i)       # raises once the receiver aborted; doesn't wait
         push.finish()                # returns when the sink is ready
 
-`send_layer` gathers into a small ring of staging buffers and sends asynchronously
-(`Sender.send_async`), so layers overlap on the link; while the link is still busy,
-consecutive layers are stacked into one message (up to `coalesce`).
+Layers go out in messages from a small ring of staging buffers, sent asynchronously
+(`Sender.send_async`), so they overlap on the link: once the link is idle a layer goes
+out at once; while it is busy, consecutive layers stack up into one message of at most
+`message_bytes`, gathered by one kernel (large messages are what NCCL moves fastest).
+
+With `all_computed` (a finished prefill, or cached blocks: `push()`), the messages follow
+a fixed plan of `message_bytes` each, and every header announces the next message's
+header (`next`; `begin` announces the first), so a connector that must post a receive
+before the bytes come (nccl) posts it while the previous message is still on the link.
 
 Every failure raises TransferError (LayoutMismatch for a layout mismatch) within a
 bounded time; leaving the `with` block on an exception aborts the transfer, so the
@@ -23,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -38,7 +45,7 @@ from tandem.kvtransfer.agent import (
 )
 from tandem.kvtransfer.connector import Connector, Frame, Sender, SendHandle, TransferError
 from tandem.kvtransfer.layout import KVLayout, LayoutMismatch
-from tandem.kvtransfer.staging import gather_blocks
+from tandem.kvtransfer.staging import KVRows
 
 
 class KVPush:
@@ -54,10 +61,11 @@ class KVPush:
         send_timeout: float = 30.0,
         reply_timeout: float = 10.0,
         ring: int = 2,
-        coalesce: int = 4,
+        message_bytes: int = 64 << 20,
+        all_computed: bool = False,
     ) -> None:
-        if ring < 1 or coalesce < 1:
-            raise ValueError(f"ring and coalesce must be at least 1: {ring}, {coalesce}")
+        if ring < 1 or message_bytes < 1:
+            raise ValueError(f"ring and message_bytes must be positive: {ring}, {message_bytes}")
         if len(src_block_ids) != len(sink.block_ids):
             raise ValueError(
                 f"{len(src_block_ids)} source blocks for {len(sink.block_ids)} sink blocks"
@@ -65,21 +73,26 @@ class KVPush:
         KVLayout.of(kv_caches, layout.model_id).check(layout)
         self.sink, self.layout = sink, layout
         self._connector = connector
-        self._caches = kv_caches
+        self._rows = KVRows(kv_caches)
         device = kv_caches[0].device
         self._src = torch.tensor(list(src_block_ids), dtype=torch.long, device=device)
         self._connect_timeout, self._send_timeout = connect_timeout, send_timeout
         self._reply_timeout = reply_timeout
         self._sender: Sender | None = None
         self._closed = False  # once closed (done, failed or aborted) nothing more is sent
-        # A ring of staging buffers, each room for `coalesce` layers: layers are gathered
-        # into the slot being filled while earlier slots are still on their way, and a
-        # slot is refilled only once its send is done.
-        self._coalesce = coalesce
+        # A ring of staging buffers, each room for `_per_message` layers: the slot being
+        # filled collects layers while earlier slots are still on their way, and is
+        # gathered into only once its previous send is done.
+        layer_bytes = layout.block_bytes * len(sink.block_ids)
+        self._per_message = max(1, min(layout.num_layers, message_bytes // layer_bytes))
         self._ring: list[torch.Tensor | None] = [None] * ring
         self._in_flight: list[SendHandle | None] = [None] * ring
         self._slot = 0  # the slot being filled, with layers first .. first + count - 1
         self._first, self._count = 0, 0
+        # all_computed: message i carries layers plan[i], announced one message ahead.
+        n, per = layout.num_layers, self._per_message
+        self._plan = [(f, min(per, n - f)) for f in range(0, n, per)] if all_computed else []
+        self._sent_messages = 0
 
     def start(self) -> None:
         """Connect and open the transfer; returns once the receiver accepted it."""
@@ -94,33 +107,45 @@ class KVPush:
         except TransferError:
             self._closed = True  # unreachable: an abort could not get through either
             raise
-        self._send({"kind": BEGIN, "layout": self.layout.to_dict(),
-                    "num_blocks": len(self.sink.block_ids)})
+        begin = {"kind": BEGIN, "layout": self.layout.to_dict(),
+                 "num_blocks": len(self.sink.block_ids)}
+        self._send(self._announcing(begin, 0))
+        for slot in range(len(self._ring)):  # staging memory ready before the first layer
+            self._buffer(slot)
         self._await(ACCEPT)
 
     def send_layer(self, layer: int) -> None:
-        """Gather layer `layer`'s source blocks and start sending them; returns without
-        waiting for the bytes unless every staging slot is still on its way. While an
-        earlier send is still out, up to `coalesce` consecutive layers are gathered into
-        one message (a sender ahead of the link sends fewer, larger ones); once the link
-        is idle a layer goes out at once."""
+        """Layer `layer`'s KV is computed (on CUDA: enqueued on the current stream); send
+        it. Returns without waiting for the bytes unless every staging slot is still on
+        its way. While an earlier send is still out, consecutive layers stack up into one
+        message (a sender ahead of the link sends fewer, larger ones); once the link is
+        idle they go out at once."""
         self._raise_if_aborted()
+        if self._plan:
+            self._send_planned(layer)
+            return
         if self._count and layer != self._first + self._count:
             self._flush()
         if not self._count:
-            self._settle(self._slot)
             self._first = layer
-        staged = self._buffer(self._slot)[self._count]
-        # On CUDA the gather is enqueued on the current stream; the connector's send
-        # waits for that stream, so it reads the gathered bytes.
-        gather_blocks(self._caches[layer], self._src, out=staged)
         self._count += 1
-        if self._count == self._coalesce or self._link_idle():
+        if self._count == self._per_message or self._link_idle():
+            self._flush()
+
+    def _send_planned(self, layer: int) -> None:
+        first, count = self._plan[min(self._sent_messages, len(self._plan) - 1)]
+        if layer != first + self._count or self._sent_messages == len(self._plan):
+            raise ValueError(f"with all_computed, layers are sent once each in order; "
+                             f"expected {first + self._count}, got {layer}")
+        self._first = first
+        self._count += 1
+        if self._count == count:
             self._flush()
 
     def finish(self) -> None:
         """Close the transfer; returns once the receiver confirmed every layer landed."""
-        self._flush()
+        if not self._plan:  # a planned message goes out only whole, as announced
+            self._flush()
         for slot in range(len(self._in_flight)):
             self._settle(slot)
         self._send({"kind": END})
@@ -178,28 +203,30 @@ class KVPush:
             raise
 
     def _buffer(self, slot: int) -> torch.Tensor:
-        # [coalesce, 2, n, bs, H, D]
+        # [per_message, 2, n, bs, H, D]
         if self._ring[slot] is None:
-            shape = (self._coalesce, *self.layout.staging_shape(len(self.sink.block_ids)))
-            self._ring[slot] = torch.empty(shape, dtype=self._caches[0].dtype,
-                                           device=self._caches[0].device)
+            shape = (self._per_message, *self.layout.staging_shape(len(self.sink.block_ids)))
+            head = self._rows.caches[0]
+            self._ring[slot] = torch.empty(shape, dtype=head.dtype, device=head.device)
         return self._ring[slot]
 
     def _link_idle(self) -> bool:
         return all(h is None or h.done() for h in self._in_flight)
 
     def _flush(self) -> None:
-        """Send the layers gathered into the current slot as one frame; next slot."""
+        """Gather the layers collected for the current slot (one kernel on CUDA, enqueued
+        on the current stream, which the connector's send waits for) and send them as one
+        frame; next slot."""
         if not self._count:
             return
-        header = {"kind": LAYER, "layer": self._first, "request_id": self.sink.request_id}
-        staged = self._buffer(self._slot)
-        if self._count == 1:
-            payload = staged[0]
-        else:
-            header["layers"] = self._count
-            payload = staged[:self._count]
+        self._settle(self._slot)
+        staged = self._buffer(self._slot)[:self._count]
+        self._rows.gather(self._first, self._src, staged)
+        header = self._layer_header(self._first, self._count)
+        payload = staged[0] if self._count == 1 else staged
         self._count = 0
+        self._sent_messages += 1
+        header = self._announcing(header, self._sent_messages)
         try:
             self._in_flight[self._slot] = self._open().send_async(Frame(header, payload),
                                                                   self._send_timeout)
@@ -207,6 +234,21 @@ class KVPush:
             self.close()
             raise
         self._slot = (self._slot + 1) % len(self._ring)
+
+    def _layer_header(self, first: int, count: int) -> dict[str, Any]:
+        """A layer message's header as it travels (dtype and shape included)."""
+        shape = self.layout.staging_shape(len(self.sink.block_ids))
+        header = {"kind": LAYER, "layer": first, "request_id": self.sink.request_id,
+                  "dtype": self.layout.dtype, "shape": [count, *shape] if count > 1 else shape}
+        if count > 1:
+            header["layers"] = count
+        return header
+
+    def _announcing(self, header: dict[str, Any], message: int) -> dict[str, Any]:
+        """`header`, carrying planned message `message`'s header as `next` if there is one."""
+        if message < len(self._plan):
+            return {**header, "next": self._layer_header(*self._plan[message])}
+        return header
 
     def _settle(self, slot: int) -> None:
         """Wait until the send from `slot` is out, so its buffer may be reused."""
@@ -277,7 +319,8 @@ def push(
     **timeouts: float,
 ) -> None:
     """Send a whole request's KV into `sink`; returns once the sink is ready."""
-    with KVPush(connector, sink, kv_caches, src_block_ids, layout, **timeouts) as p:
+    with KVPush(connector, sink, kv_caches, src_block_ids, layout, all_computed=True,
+                **timeouts) as p:
         p.start()
         for layer in range(layout.num_layers):
             p.send_layer(layer)

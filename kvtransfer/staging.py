@@ -1,8 +1,10 @@
-"""Gather a request's scattered KV blocks into one contiguous staging buffer per layer,
-and scatter a received one back into the sink's block ids.
+"""Gather a request's scattered KV blocks into one contiguous staging buffer, and scatter
+a received one back into the sink's block ids: a run of layers in one kernel
+(`kernels/block_copy.py`) when the caches are views of one tensor, as the engine
+allocates them, else one per layer. Either way a message carries whole layers, however
+many blocks they have. Works on any device.
 
-One indexing op each way (torch reference; a Triton kernel may replace it), so a layer
-travels as one message however many blocks it has. Works on any device.
+Staging shapes: one layer `[2, n, bs, H, D]`; a run of k layers `[k, 2, n, bs, H, D]`.
 """
 
 from __future__ import annotations
@@ -12,9 +14,72 @@ from collections.abc import Sequence
 
 import torch
 
+from tandem.kernels.block_copy import copy_blocks
+
 
 def _index(block_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(block_ids, dtype=torch.long, device=device)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., 2, blocks, bs, H, D] -> [rows, blocks, E]: each block E contiguous elements."""
+    return t.flatten(-3).flatten(0, -3)
+
+
+def stack_layers(caches: Sequence[torch.Tensor], first: int, count: int) -> torch.Tensor | None:
+    """caches[first : first + count] as one `[count, 2, N, bs, H, D]` view, if they lie
+    back to back in one storage (the engine allocates them so); else None."""
+    head = caches[first]
+    if count == 1:
+        return head.unsqueeze(0)
+    if not head.is_contiguous():
+        return None
+    step = head.numel() * head.element_size()
+    storage = head.untyped_storage().data_ptr()
+    for i in range(1, count):
+        c = caches[first + i]
+        if (not c.is_contiguous() or c.untyped_storage().data_ptr() != storage
+                or c.data_ptr() != head.data_ptr() + i * step):
+            return None
+    return head.as_strided((count, *head.shape), (head.numel(), *head.stride()))
+
+
+class KVRows:
+    """Per-layer caches `[2, N, bs, H, D]` seen as rows of blocks: `[2L, N, E]` in one view
+    when they lie back to back in one tensor (the engine allocates them so), so one kernel
+    moves any run of layers; one kernel per layer otherwise. Built once per cache."""
+
+    def __init__(self, caches: Sequence[torch.Tensor]) -> None:
+        self.caches = list(caches)
+        stacked = stack_layers(self.caches, 0, len(self.caches))
+        self._rows = None if stacked is None else _rows(stacked)
+
+    def gather(self, first: int, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Blocks `block_ids` of layers first .. first + k - 1 into `out` [k, 2, n, bs, H, D]
+        (block_ids: int64 on the caches' device)."""
+        count = out.shape[0]
+        if self._rows is not None:
+            copy_blocks(self._rows[2 * first:2 * (first + count)], block_ids, _rows(out), None)
+            return
+        for i in range(count):
+            copy_blocks(_rows(self.caches[first + i]), block_ids, _rows(out[i]), None)
+
+    def scatter(self, first: int, block_ids: torch.Tensor, staged: torch.Tensor) -> None:
+        """Write staged [k, 2, n, bs, H, D] into blocks `block_ids` of layers first ..
+        first + k - 1; no other block changes. block_ids must be distinct."""
+        head = self.caches[first]
+        count, n = staged.shape[0], len(block_ids)
+        want = (count, 2, n, *head.shape[2:])
+        if tuple(staged.shape) != want or staged.dtype != head.dtype:
+            raise ValueError(
+                f"staged {tuple(staged.shape)} {staged.dtype} does not fit {n} blocks of "
+                f"{count} layers of {tuple(head.shape)} {head.dtype}"
+            )
+        if self._rows is not None:
+            copy_blocks(_rows(staged), None, self._rows[2 * first:2 * (first + count)], block_ids)
+            return
+        for i in range(count):
+            copy_blocks(_rows(staged[i]), None, _rows(self.caches[first + i]), block_ids)
 
 
 def gather_blocks(
@@ -22,12 +87,13 @@ def gather_blocks(
     block_ids: Sequence[int] | torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """layer_cache: [2, num_blocks, bs, H, D] -> contiguous [2, n, bs, H, D], in the order
+    """One layer: [2, num_blocks, bs, H, D] -> contiguous [2, n, bs, H, D], in the order
     of `block_ids`. `out`, if given, is reused (its shape must be [2, n, bs, H, D])."""
     idx = _index(block_ids, layer_cache.device)
     if out is None:
-        return torch.index_select(layer_cache, 1, idx)
-    return torch.index_select(layer_cache, 1, idx, out=out)
+        out = layer_cache.new_empty((2, len(idx), *layer_cache.shape[2:]))
+    KVRows([layer_cache]).gather(0, idx, out.unsqueeze(0))
+    return out
 
 
 def scatter_blocks(
@@ -35,41 +101,38 @@ def scatter_blocks(
     block_ids: Sequence[int] | torch.Tensor,
     staged: torch.Tensor,
 ) -> None:
-    """Write staged[:, i] into block block_ids[i] of layer_cache; no other block changes.
-    block_ids must be distinct (a repeated id would be written in no defined order)."""
-    # staged: [2, n, bs, H, D]
-    n = len(block_ids)
-    want = (2, n, *layer_cache.shape[2:])
-    if tuple(staged.shape) != want or staged.dtype != layer_cache.dtype:
-        raise ValueError(
-            f"staged {tuple(staged.shape)} {staged.dtype} does not fit {n} blocks of "
-            f"{tuple(layer_cache.shape)} {layer_cache.dtype}"
-        )
+    """One layer: write staged[:, i] into block block_ids[i] of layer_cache; no other block
+    changes. block_ids must be distinct (a repeated id is written in no defined order)."""
     idx = _index(block_ids, layer_cache.device)
-    layer_cache.index_copy_(1, idx, staged.to(layer_cache.device))
+    KVRows([layer_cache]).scatter(0, idx, staged.to(layer_cache.device).unsqueeze(0))
 
 
 class StagingPool:
     """Reusable receive buffers, so a layer does not land in freshly mapped memory
     (first-touch page faults cost more than the copy on CPU). A buffer is handed out
-    by `take` and comes back by `give` only after its frame was scattered, so two frames
-    in flight never share memory whatever the connector's threading. Thread-safe."""
+    by `take` and comes back by `give` once its frame's scatter was enqueued, with the
+    CUDA event recorded after that scatter: `take` makes the current stream wait for it,
+    so a buffer is never overwritten before it was read, on whatever stream that ran.
+    Thread-safe."""
 
     def __init__(self, keep: int = 8) -> None:
         self._keep = keep  # spare buffers kept in all, most recently returned first
-        self._spare: list[torch.Tensor] = []
+        self._spare: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         self._lock = threading.Lock()
 
     def take(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         with self._lock:
-            for i, t in enumerate(self._spare):
+            for i, (t, _) in enumerate(self._spare):
                 if tuple(t.shape) == shape and t.dtype == dtype and t.device == device:
-                    return self._spare.pop(i)
+                    t, read = self._spare.pop(i)
+                    if read is not None:
+                        torch.cuda.current_stream(device).wait_event(read)
+                    return t
         return torch.empty(shape, dtype=dtype, device=device)
 
-    def give(self, t: torch.Tensor) -> None:
+    def give(self, t: torch.Tensor, read: torch.cuda.Event | None = None) -> None:
         with self._lock:
-            self._spare.insert(0, t)
+            self._spare.insert(0, (t, read))
             del self._spare[self._keep:]

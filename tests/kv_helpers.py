@@ -1,6 +1,6 @@
 """Shared helpers for KV transfer tests, whatever the connector: random caches, exact
 comparisons, a thread-safe view of a real BlockPool, bounded waits, and the round trip
-every connector must pass (`roundtrip`)."""
+every connector must pass (`roundtrip`, `concurrent_roundtrip`)."""
 
 from __future__ import annotations
 
@@ -31,11 +31,15 @@ def make_caches(
     num_layers: int = LAYERS,
     heads: int = HEADS,
     head_dim: int = HEAD_DIM,
+    one_tensor: bool = True,
 ) -> list[torch.Tensor]:
-    """Per-layer caches [2, num_blocks, BLOCK_SIZE, heads, head_dim] of random values."""
+    """Per-layer caches [2, num_blocks, BLOCK_SIZE, heads, head_dim] of random values:
+    views of one tensor, as the engine allocates them (`one_tensor`), or separate ones."""
     g = torch.Generator().manual_seed(seed)
-    shape = (2, num_blocks, BLOCK_SIZE, heads, head_dim)
-    return [torch.randn(shape, generator=g).to(dtype).to(device) for _ in range(num_layers)]
+    shape = (num_layers, 2, num_blocks, BLOCK_SIZE, heads, head_dim)
+    base = torch.randn(shape, generator=g).to(dtype).to(device)
+    layers = list(base.unbind(0))
+    return layers if one_tensor else [c.clone() for c in layers]
 
 
 def clone(caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -101,11 +105,12 @@ def roundtrip(
     src_ids: Sequence[int],
     num_blocks: int = 16,
     device: str = "cpu",
+    one_tensor: bool = True,
 ) -> None:
     """Push src blocks into sink blocks of a fresh destination: the sink blocks arrive
     bit-identical, every other block is untouched, the agent frees nothing."""
-    src = make_caches(num_blocks, dtype, seed=1, device=device)
-    dst = make_caches(num_blocks, dtype, seed=2, device=device)
+    src = make_caches(num_blocks, dtype, seed=1, device=device, one_tensor=one_tensor)
+    dst = make_caches(num_blocks, dtype, seed=2, device=device, one_tensor=one_tensor)
     before = clone(dst)
     layout = KVLayout.of(dst, MODEL)
     freed: list[list[int]] = []
@@ -120,6 +125,38 @@ def roundtrip(
     assert_blocks_equal(dst, sink_ids, src, src_ids)
     assert_unchanged_except(before, dst, sink_ids)
     assert freed == []
+
+
+def concurrent_roundtrip(connector: Connector) -> None:
+    """Two transfers pushed at once, from two threads, into one destination: each
+    arrives bit-identical in its own blocks, every other block is untouched."""
+    dst = make_caches(24, torch.bfloat16, seed=3)
+    before = clone(dst)
+    layout = KVLayout.of(dst, MODEL)
+    srcs = [make_caches(8, torch.bfloat16, seed=s) for s in (4, 5)]
+    ids = {"a": [7, 2, 11, 5, 20], "b": [0, 23, 13, 8, 1]}
+    agent = TransferAgent(dst, layout, connector, lambda ids: None)
+    errors: list[BaseException] = []
+
+    def run(rid: str, src: list[torch.Tensor]) -> None:
+        try:
+            push(connector, agent.reserve(rid, ids[rid], ttl_s=30), src, [0, 1, 2, 3, 4], layout)
+        except BaseException as exc:  # noqa: BLE001 - surfaced in the main thread
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=run, args=(r, s)) for r, s in zip(ids, srcs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        assert not any(t.is_alive() for t in threads) and errors == []
+        for rid, src in zip(ids, srcs):
+            assert agent.wait_ready(rid, timeout=5)
+            assert_blocks_equal(dst, ids[rid], src, [0, 1, 2, 3, 4])
+        assert_unchanged_except(before, dst, ids["a"] + ids["b"])
+    finally:
+        agent.close()
 
 
 def send_some_layers_then_hang(

@@ -23,6 +23,7 @@ from kv_helpers import (
     assert_blocks_equal,
     assert_unchanged_except,
     clone,
+    concurrent_roundtrip,
     join_all,
     make_caches,
     roundtrip,
@@ -298,34 +299,7 @@ def test_kv_round_trip_is_exact_and_touches_nothing_else(
 
 
 def test_two_concurrent_kv_transfers_into_one_destination() -> None:
-    connector = _connector()
-    dst = make_caches(24, torch.bfloat16, seed=3)
-    before = clone(dst)
-    layout = KVLayout.of(dst, MODEL)
-    srcs = [make_caches(8, torch.bfloat16, seed=s) for s in (4, 5)]
-    ids = {"a": [7, 2, 11, 5, 20], "b": [0, 23, 13, 8, 1]}
-    agent = TransferAgent(dst, layout, connector, lambda ids: None)
-    errors: list[BaseException] = []
-
-    def run(rid: str, src: list[torch.Tensor]) -> None:
-        try:
-            push(connector, agent.reserve(rid, ids[rid], ttl_s=30), src, [0, 1, 2, 3, 4], layout)
-        except BaseException as exc:  # noqa: BLE001 - surfaced in the main thread
-            errors.append(exc)
-
-    try:
-        threads = [threading.Thread(target=run, args=(r, s)) for r, s in zip(ids, srcs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=20)
-        assert not any(t.is_alive() for t in threads) and errors == []
-        for rid, src in zip(ids, srcs):
-            assert agent.wait_ready(rid, timeout=5)
-            assert_blocks_equal(dst, ids[rid], src, [0, 1, 2, 3, 4])
-        assert_unchanged_except(before, dst, ids["a"] + ids["b"])
-    finally:
-        agent.close()
+    concurrent_roundtrip(_connector())
 
 
 def test_kv_pushed_from_another_process() -> None:

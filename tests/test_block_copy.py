@@ -1,0 +1,90 @@
+"""The block gather/scatter kernel (kernels/block_copy.py) against its torch reference,
+and the staging functions built on it (kvtransfer/staging.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kv_helpers import assert_unchanged_except, clone, make_caches
+
+from tandem.kernels.block_copy import copy_blocks, copy_blocks_reference
+from tandem.kvtransfer.staging import KVRows, gather_blocks, stack_layers
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def compare_kernel_with_reference(device: str) -> None:
+    """Triton kernel == torch reference for a gather, a scatter and a block-to-block copy,
+    on shapes with a non-power-of-two block and more than one tile per block."""
+    g = torch.Generator().manual_seed(0)
+    for dtype, elems in ((torch.bfloat16, 3 * 64 * 16), (torch.float32, 5000)):
+        src = torch.randn(6, 20, elems, generator=g).to(dtype).to(device)
+        ids = torch.tensor([17, 2, 9, 0, 11], device=device)
+        other = torch.tensor([3, 19, 4, 8, 12], device=device)
+        cases = [(src, ids, torch.zeros(6, 5, elems, dtype=dtype, device=device), None),
+                 (src[:, :5], None, torch.zeros_like(src), ids),
+                 (src, ids, torch.zeros_like(src), other)]
+        for s, s_ids, d, d_ids in cases:
+            ref = d.clone()
+            copy_blocks_reference(s, s_ids, ref, d_ids)
+            copy_blocks(s, s_ids, d, d_ids, use_triton=True)
+            assert torch.equal(d, ref), (dtype, elems, s_ids, d_ids)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_kernel_matches_reference_under_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when triton.jit decorates
+    code = "from test_block_copy import compare_kernel_with_reference as c; c('cpu')"
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA")
+def test_triton_kernel_matches_reference_on_cuda() -> None:
+    compare_kernel_with_reference("cuda")
+
+
+def test_copy_rejects_views_it_cannot_take() -> None:
+    a = torch.zeros(2, 4, 8)
+    with pytest.raises(ValueError, match="does not copy into"):
+        copy_blocks(a, None, torch.zeros(2, 4, 9), None)
+    with pytest.raises(ValueError, match="block counts disagree"):
+        copy_blocks(a, torch.tensor([0, 1]), torch.zeros(2, 3, 8), None)
+    with pytest.raises(ValueError, match="contiguous"):
+        copy_blocks(a, None, torch.zeros(2, 8, 4).transpose(1, 2), None)
+
+
+def test_stack_layers_views_one_tensor_only() -> None:
+    one = make_caches(8)
+    stacked = stack_layers(one, 1, 3)
+    assert stacked is not None and stacked.shape == (3, *one[0].shape)
+    assert stacked.data_ptr() == one[1].data_ptr()
+    assert all(torch.equal(stacked[i], one[1 + i]) for i in range(3))
+    separate = make_caches(8, one_tensor=False)
+    assert stack_layers(separate, 0, 2) is None
+    assert stack_layers(separate, 2, 1) is not None  # one layer is always a view
+
+
+@pytest.mark.parametrize("one_tensor", [True, False])
+def test_gather_and_scatter_a_run_of_layers_exactly(one_tensor: bool) -> None:
+    src = make_caches(12, torch.bfloat16, seed=1, num_layers=5, one_tensor=one_tensor)
+    dst = make_caches(12, torch.bfloat16, seed=2, num_layers=5, one_tensor=one_tensor)
+    before = clone(dst)
+    src_ids, dst_ids = torch.tensor([7, 2, 11, 5]), [0, 9, 3, 10]
+    staged = torch.empty(3, 2, 4, *src[0].shape[2:], dtype=torch.bfloat16)
+    KVRows(src).gather(1, src_ids, staged)
+    for i in range(3):
+        assert torch.equal(staged[i], gather_blocks(src[1 + i], src_ids))
+    KVRows(dst).scatter(1, torch.tensor(dst_ids), staged)
+    for i in range(3):
+        for s, d in zip(src_ids.tolist(), dst_ids):
+            assert torch.equal(dst[1 + i][:, d], src[1 + i][:, s])
+    assert torch.equal(dst[0], before[0]) and torch.equal(dst[-1], before[-1])
+    assert_unchanged_except(before, dst, dst_ids)
