@@ -316,11 +316,12 @@ def push(
     kv_caches: Sequence[torch.Tensor],
     src_block_ids: Sequence[int],
     layout: KVLayout,
-    **timeouts: float,
+    **options: Any,
 ) -> None:
-    """Send a whole request's KV into `sink`; returns once the sink is ready."""
+    """Send a whole, computed request's KV into `sink`; returns once the sink is ready.
+    `options`: KVPush's keyword arguments (timeouts, ring, message_bytes)."""
     with KVPush(connector, sink, kv_caches, src_block_ids, layout, all_computed=True,
-                **timeouts) as p:
+                **options) as p:
         p.start()
         for layer in range(layout.num_layers):
             p.send_layer(layer)

@@ -22,7 +22,7 @@ from kv_helpers import (
 from tandem.kvtransfer.agent import SinkInfo, State, TransferAgent
 from tandem.kvtransfer.connector import Frame, Sender, TransferError, get_connector
 from tandem.kvtransfer.layout import KVLayout
-from tandem.kvtransfer.sender import KVPush
+from tandem.kvtransfer.sender import KVPush, push
 from tandem.kvtransfer.tcp import TcpConnector
 from tandem.kvtransfer.wire import PREFIX, HostStaging, recv_frame, send_frame
 
@@ -232,3 +232,57 @@ def test_round_trip_between_separately_allocated_layers() -> None:
     # One kernel per layer instead of one per run of layers: the same bytes arrive.
     roundtrip(get_connector("tcp"), torch.bfloat16, [7, 2, 11, 5], [0, 3, 1, 9],
               one_tensor=False)
+
+
+class RecordingTcp(TcpConnector):
+    """The tcp connector, noting every header its receivers deliver."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.headers: list[dict] = []
+
+    def receiver(self, host, alloc, on_frame, on_error):  # noqa: ANN001, ANN201
+        def record(frame: Frame) -> None:
+            self.headers.append(frame.header)
+            on_frame(frame)
+
+        return super().receiver(host, alloc, record, on_error)
+
+
+def test_a_push_sends_planned_messages_each_announced_one_ahead() -> None:
+    connector = RecordingTcp()
+    src = make_caches(16, seed=1, num_layers=5)
+    dst = make_caches(16, seed=2, num_layers=5)
+    before = clone(dst)
+    layout = KVLayout.of(dst, MODEL)
+    agent = TransferAgent(dst, layout, connector, lambda ids: None)
+    try:
+        sink = agent.reserve("r", [9, 3], ttl_s=30)
+        push(connector, sink, src, [1, 2], layout, message_bytes=2 * 2 * layout.block_bytes)
+        assert agent.wait_ready("r", timeout=5)
+    finally:
+        agent.close()
+    assert_blocks_equal(dst, [9, 3], src, [1, 2])
+    assert_unchanged_except(before, dst, [9, 3])
+    headers = connector.headers
+    assert [(h["kind"], h.get("layer"), h.get("layers", 1)) for h in headers] == [
+        ("begin", None, 1), ("layer", 0, 2), ("layer", 2, 2), ("layer", 4, 1), ("end", None, 1)
+    ]
+    for h, following in zip(headers[:3], headers[1:4]):
+        assert h["next"] == {k: v for k, v in following.items() if k != "next"}
+    assert "next" not in headers[3]
+
+
+def test_a_planned_push_takes_layers_once_each_in_order() -> None:
+    connector = TcpConnector()
+    src, dst = make_caches(16, seed=1), make_caches(16, seed=2)
+    layout = KVLayout.of(dst, MODEL)
+    agent = TransferAgent(dst, layout, connector, lambda ids: None)
+    try:
+        sink = agent.reserve("r", [9, 3], ttl_s=30)
+        with KVPush(connector, sink, src, [1, 2], layout, all_computed=True) as p:
+            p.start()
+            with pytest.raises(ValueError, match="expected 0, got 1"):
+                p.send_layer(1)
+    finally:
+        agent.close()
