@@ -16,7 +16,8 @@ Reported per iteration:
 - data: from the first send_layer() (the first gather) to the sink being ready on the
   receiver, gather and scatter included; GB/s = bytes / data time (GB = 1e9 bytes). The
   begin/accept handshake before it is a fixed per-request round trip that a prefill
-  overlaps with computing its first layer;
+  overlaps with computing its first layer. ipc with every layer computed up front
+  starts copying at begin, so its data window is its wall time;
 - wall: from the sender's start() (connect + begin/accept) to the sink being ready;
 - tail: from the last layer handed to send_layer() to the sink being ready, what
   layer-wise pushing leaves on the critical path after the prefill's last layer.
@@ -26,6 +27,7 @@ Both processes stamp time.monotonic(), one system-wide clock on a Linux host.
     python benchmarks/transfer.py                                   # tcp, cpu loopback
     python benchmarks/transfer.py --connector nccl --device cuda    # GPU 0 -> GPU 1
     python benchmarks/transfer.py --connector nccl --device cuda --layer-ms 1.8
+    python benchmarks/transfer.py --connector ipc --device cuda     # one host: no staging
     python benchmarks/transfer.py --tokens 512 --iters 3 --json out.json
     python benchmarks/transfer.py --connector ucx --opt key=value   # connector options
 """
@@ -58,7 +60,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--connector", default="tcp", help="tcp | ucx | nccl (default: %(default)s)")
+    p.add_argument("--connector", default="tcp",
+                   help="tcp | ucx | nccl | ipc (default: %(default)s)")
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="option passed to get_connector on both sides (repeatable)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
@@ -188,7 +191,9 @@ def sender_main(args: argparse.Namespace, n: int, sinks: Any, results: Any, stop
                     ring=args.ring, message_bytes=int(args.message_mb * 2**20),
                     all_computed=not args.layer_ms) as p:
             p.start()
-            t_first = time.monotonic()
+            # A direct connector told of every layer at begin copies from then on: its
+            # data window is the whole wall time, connect included.
+            t_first = t_start if connector.direct and not args.layer_ms else time.monotonic()
             t_last = t_first
             for layer in range(layout.num_layers):
                 if layer and args.layer_ms:

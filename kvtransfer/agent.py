@@ -2,12 +2,17 @@
 
 Protocol, per request, on one sender connection (kinds below):
 
-    sender -> begin {request_id, layout, num_blocks}   receiver checks the layout
+    sender -> begin {request_id, layout, num_blocks[, source[, computed]]}
+                                                       receiver checks the layout
     sender <- accept | abort {reason, error}           no data moves before accept
     sender -> layer {request_id, layer[, layers]} + payload
                                     layers `layer`.. `layer+layers-1` (default 1), stacked
                                     when more than one; scattered as they land; ready
                                     after the last
+                                    with a `source` (the ipc connector: the sender's
+                                    cache, block ids and event), no payload: the layers
+                                    are computed, and the receiver copies them itself;
+                                    none if begin said all were (`computed`)
     sender -> end                                       "that was all"
     sender <- done | abort {reason}
     sender -> abort {reason}                            at any time: the sender gave up
@@ -111,6 +116,17 @@ class _Sink:
     # CUDA: recorded after the latest scatter, which the stream may not have run yet (the
     # connector hands over payloads still landing); its blocks are not freed before it.
     landed: torch.cuda.Event | None = None
+    source: _Source | None = None  # ipc: where the blocks are read from
+
+
+@dataclass(eq=False)
+class _Source:
+    """The sender's cache as mapped here (ipc), read by the receiver's own copies."""
+
+    desc: dict[str, Any]  # as exported; `release` takes it back
+    rows: torch.Tensor  # the sender's cache as [2L, N, E]
+    index: torch.Tensor  # the sender's block ids, in sink order, on the receiver's device
+    computed: torch.cuda.Event | None  # CUDA: recorded by the sender after the layers it sent
 
 
 class TransferAgent:
@@ -129,6 +145,7 @@ class TransferAgent:
     ) -> None:
         KVLayout.of(kv_caches, layout.model_id).check(layout)
         self.layout = layout
+        self._connector = connector
         self._caches = list(kv_caches)
         self._rows = KVRows(self._caches)
         self._device = self._caches[0].device
@@ -255,17 +272,24 @@ class TransferAgent:
                 raise TransferError(
                     f"sender has {header['num_blocks']} blocks, sink {len(sink.block_ids)}"
                 )
+            source = None if "source" not in header else self._open_source(header["source"])
         except TransferError as exc:
             self._fail(sink, str(exc), notify=True, peer=peer, error=_code(exc))
             return
         with self._lock:
             accepted = sink.state is State.RESERVED  # not expired or aborted meanwhile
             if accepted:
-                sink.state, sink.peer = State.RECEIVING, peer
+                sink.state, sink.peer, sink.source = State.RECEIVING, peer, source
+        if not accepted and source is not None:
+            self._close_source(source)
         if accepted:
             self._reply(peer, Frame({"kind": ACCEPT, "request_id": rid}))
         else:
             self._reply(peer, _abort(rid, f"reservation {_describe(sink)}"))
+        if accepted and source is not None and "computed" in header:
+            # ipc, every layer computed already: copy them all now, no layer frame follows.
+            self._on_layer({"request_id": rid, "layer": 0, "layers": header["computed"]},
+                           None, peer)
 
     def _on_layer(self, header: dict[str, Any], payload: torch.Tensor | None, peer: str) -> None:
         rid, layer = header["request_id"], header.get("layer")
@@ -285,13 +309,18 @@ class TransferAgent:
                 error = f"bad layer index {layer!r} (x{count!r})"
             elif dup := sink.layers.intersection(layers):
                 error = f"layers {sorted(dup)} sent twice"
-            elif payload is None or (payload.shape, payload.dtype, payload.device) != (
-                want, self.layout.torch_dtype, self._device
-            ):
+            elif sink.source is not None and payload is not None:
+                error = f"layer {layer}: an ipc transfer's layers carry no payload"
+            elif sink.source is None and (payload is None or (
+                payload.shape, payload.dtype, payload.device
+            ) != (want, self.layout.torch_dtype, self._device)):
                 error = f"layer {layer} payload is not {want} {self.layout.dtype}"
             else:
-                staged = payload.view(count, *self._layer_shape(sink))
-                landed = self._scatter(sink, layer, staged, payload)
+                if payload is None:
+                    landed = self._pull(sink, layer, count)
+                else:
+                    staged = payload.view(count, *self._layer_shape(sink))
+                    landed = self._scatter(sink, layer, staged, payload)
                 last = len(sink.layers) + count == self.layout.num_layers
                 if landed is not None:
                     sink.landed = landed
@@ -304,6 +333,9 @@ class TransferAgent:
                     ready = last
                     if ready:
                         sink.state = State.READY
+                if ready and sink.source is not None:  # every copy out of it has run
+                    self._close_source(sink.source)
+                    sink.source = None
         if error is not None:
             self._fail(sink, error, notify=True)
         elif ready:
@@ -330,6 +362,58 @@ class TransferAgent:
         landed.record(self._stream)
         self._buffers.give(payload, landed)
         return landed
+
+    def _pull(self, sink: _Sink, first: int, count: int) -> torch.cuda.Event | None:
+        """ipc: copy layers first .. first + count - 1 of the sink's blocks straight out of
+        the sender's cache, in one kernel; on CUDA, on the agent's stream, once the
+        sender's event says they are computed, returning the event after the copy."""
+        source = sink.source
+        assert source is not None
+        rows = source.rows[2 * first:2 * (first + count)]
+        if self._stream is None:
+            self._rows.copy_in(first, rows, source.index, sink.index)
+            return None
+        with torch.cuda.stream(self._stream):
+            if source.computed is not None:
+                self._stream.wait_event(source.computed)
+            self._rows.copy_in(first, rows, source.index, sink.index)
+        landed = torch.cuda.Event()
+        landed.record(self._stream)
+        return landed
+
+    def _open_source(self, desc: Any) -> _Source:
+        """Map the cache a begin's `source` names; raises TransferError if it can't be
+        read from here or does not fit the layout and the sink."""
+        if not getattr(self._connector, "direct", False):
+            raise TransferError(f"the sender reads through ipc, this receiver through "
+                                f"{self._connector.name}")
+        try:
+            ids = [int(b) for b in desc["block_ids"]]
+            event = desc.get("event")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransferError(f"bad ipc source: {exc!r}") from exc
+        rows = self._connector.mapped.open(desc, self._device)
+        source = _Source(desc, rows, torch.empty(0), None)
+        try:
+            rows_e = (2 * self.layout.num_layers,  # K and V rows; elements per block:
+                      self.layout.block_bytes // (2 * self.layout.torch_dtype.itemsize))
+            if (rows.dim() != 3 or (rows.shape[0], rows.shape[2]) != rows_e
+                    or rows.dtype != self.layout.torch_dtype or rows.stride(2) != 1):
+                raise TransferError(f"the sender's cache {tuple(rows.shape)} {rows.dtype} "
+                                    f"does not hold this layout's blocks")
+            if len(ids) != len(set(ids)) or not all(0 <= b < rows.shape[1] for b in ids):
+                raise TransferError(f"sender block ids out of range or repeated: {ids}")
+            source.index = torch.tensor(ids, dtype=torch.long, device=self._device)
+            if event is not None and self._device.type == "cuda":
+                source.computed = self._connector.mapped.event(
+                    int(desc["pid"]), str(event), self._device)
+        except BaseException:
+            self._close_source(source)
+            raise
+        return source
+
+    def _close_source(self, source: _Source) -> None:
+        self._connector.mapped.release(source.desc, self._device)
 
     def _on_end(self, header: dict[str, Any], _: torch.Tensor | None, peer: str) -> None:
         rid = header["request_id"]
@@ -381,6 +465,9 @@ class TransferAgent:
         log.info("KV transfer %s failed: %s", sink.request_id, reason)
         grace = time.monotonic() + _LANDING_GRACE_S
         if sink.landed is None or poll_until(sink.landed.query, grace):
+            if sink.source is not None:
+                self._close_source(sink.source)
+                sink.source = None
             with self._lock:
                 self._owned.difference_update(sink.block_ids)
             try:

@@ -1,4 +1,4 @@
-"""The data-plane interface every KV connector implements (tcp, ucx, nccl).
+"""The data-plane interface every KV connector implements (tcp, ucx, nccl, ipc).
 
 A connector moves *frames*: a small typed header plus at most one contiguous tensor
 payload. Control (reserve, ack, abort) is small and rides in headers; KV bytes ride in
@@ -164,6 +164,9 @@ class Sender(ABC):
 
 class Connector(ABC):
     name: str
+    # True (ipc): no KV travels in frames; the receiver reads the blocks from the
+    # sender's cache itself (`export` on the sending side, `mapped` on the receiving one).
+    direct: bool = False
 
     @abstractmethod
     def receiver(
@@ -189,6 +192,7 @@ _CONNECTORS = {
     "tcp": "tandem.kvtransfer.tcp:TcpConnector",
     "ucx": "tandem.kvtransfer.ucx:UcxConnector",
     "nccl": "tandem.kvtransfer.nccl:NcclConnector",
+    "ipc": "tandem.kvtransfer.ipc:IpcConnector",
 }
 
 

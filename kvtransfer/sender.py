@@ -19,6 +19,12 @@ a fixed plan of `message_bytes` each, and every header announces the next messag
 header (`next`; `begin` announces the first), so a connector that must post a receive
 before the bytes come (nccl) posts it while the previous message is still on the link.
 
+With a direct connector (ipc) no KV goes through this side at all: `begin` names the
+cache, its blocks and a CUDA IPC event, each layer message is a header sent after the
+event is recorded, and the receiver copies the blocks out of this cache itself; with
+`all_computed`, `begin` says every layer is computed and no layer message follows. The blocks must
+stay unchanged until `finish` returns (it waits for the receiver to be done with them).
+
 Every failure raises TransferError (LayoutMismatch for a layout mismatch) within a
 bounded time; leaving the `with` block on an exception aborts the transfer, so the
 receiver frees the sink at once rather than at its TTL.
@@ -76,6 +82,13 @@ class KVPush:
         self._rows = KVRows(kv_caches)
         device = kv_caches[0].device
         self._src = torch.tensor(list(src_block_ids), dtype=torch.long, device=device)
+        self._direct = getattr(connector, "direct", False)
+        if self._direct and self._rows.rows is None:
+            raise ValueError(f"the {connector.name} connector reads the KV cache as one "
+                             f"tensor; these layers are separate tensors")
+        # direct, CUDA: recorded after each message's layers are computed
+        self._computed = (connector.event(device)
+                          if self._direct and device.type == "cuda" else None)
         self._connect_timeout, self._send_timeout = connect_timeout, send_timeout
         self._reply_timeout = reply_timeout
         self._sender: Sender | None = None
@@ -91,6 +104,8 @@ class KVPush:
         self._first, self._count = 0, 0
         # all_computed: message i carries layers plan[i], announced one message ahead.
         n, per = layout.num_layers, self._per_message
+        if self._direct:  # no staging: the receiver copies all layers at once
+            self._ring, per = [], n
         self._plan = [(f, min(per, n - f)) for f in range(0, n, per)] if all_computed else []
         self._sent_messages = 0
 
@@ -109,6 +124,11 @@ class KVPush:
             raise
         begin = {"kind": BEGIN, "layout": self.layout.to_dict(),
                  "num_blocks": len(self.sink.block_ids)}
+        if self._direct:
+            begin["source"] = self._source()
+            if self._plan:  # all computed: the receiver may copy as soon as it accepts
+                self._record_computed()
+                begin["computed"] = self.layout.num_layers
         self._send(self._announcing(begin, 0))
         for slot in range(len(self._ring)):  # staging memory ready before the first layer
             self._buffer(slot)
@@ -119,11 +139,12 @@ class KVPush:
         it. Returns without waiting for the bytes unless every staging slot is still on
         its way. While an earlier send is still out, consecutive layers stack up into one
         message (a sender ahead of the link sends fewer, larger ones); once the link is
-        idle they go out at once."""
-        self._raise_if_aborted()
+        idle they go out at once. Raises once the receiver aborted (a planned push checks
+        when a message is due: a poll per layer costs more than the copy of one)."""
         if self._plan:
             self._send_planned(layer)
             return
+        self._raise_if_aborted()
         if self._count and layer != self._first + self._count:
             self._flush()
         if not self._count:
@@ -140,6 +161,7 @@ class KVPush:
         self._first = first
         self._count += 1
         if self._count == count:
+            self._raise_if_aborted()
             self._flush()
 
     def finish(self) -> None:
@@ -169,6 +191,9 @@ class KVPush:
 
     def close(self) -> None:
         self._closed = True
+        if self._computed is not None:
+            self._connector.give_event(self._computed)
+            self._computed = None
         if self._sender is not None:
             self._sender.close()
             self._sender = None
@@ -202,6 +227,14 @@ class KVPush:
             self.close()
             raise
 
+    def _source(self) -> dict[str, Any]:
+        """What a direct receiver reads from: this cache, the blocks, the event."""
+        source = {**self._connector.export(self._rows.rows),
+                  "block_ids": self._src.tolist()}
+        if self._computed is not None:
+            source["event"] = self._computed.handle
+        return source
+
     def _buffer(self, slot: int) -> torch.Tensor:
         # [per_message, 2, n, bs, H, D]
         if self._ring[slot] is None:
@@ -219,6 +252,9 @@ class KVPush:
         frame; next slot."""
         if not self._count:
             return
+        if self._direct:
+            self._announce_computed()
+            return
         self._settle(self._slot)
         staged = self._buffer(self._slot)[:self._count]
         self._rows.gather(self._first, self._src, staged)
@@ -235,6 +271,23 @@ class KVPush:
             raise
         self._slot = (self._slot + 1) % len(self._ring)
 
+    def _announce_computed(self) -> None:
+        """Direct: the collected layers are computed (on CUDA: once the work enqueued so
+        far on the current stream has run, which the event marks); tell the receiver,
+        unless `begin` already said that every layer was."""
+        header = {"kind": LAYER, "layer": self._first}
+        if self._count > 1:
+            header["layers"] = self._count
+        self._count = 0
+        self._sent_messages += 1
+        if not self._plan:
+            self._record_computed()
+            self._send(header)
+
+    def _record_computed(self) -> None:
+        if self._computed is not None:
+            self._computed.event.record(torch.cuda.current_stream(self._src.device))
+
     def _layer_header(self, first: int, count: int) -> dict[str, Any]:
         """A layer message's header as it travels (dtype and shape included)."""
         shape = self.layout.staging_shape(len(self.sink.block_ids))
@@ -246,7 +299,7 @@ class KVPush:
 
     def _announcing(self, header: dict[str, Any], message: int) -> dict[str, Any]:
         """`header`, carrying planned message `message`'s header as `next` if there is one."""
-        if message < len(self._plan):
+        if message < len(self._plan) and not self._direct:
             return {**header, "next": self._layer_header(*self._plan[message])}
         return header
 

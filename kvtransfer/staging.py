@@ -54,6 +54,22 @@ class KVRows:
         stacked = stack_layers(self.caches, 0, len(self.caches))
         self._rows = None if stacked is None else _rows(stacked)
 
+    @property
+    def rows(self) -> torch.Tensor | None:
+        """The whole cache as one `[2L, N, E]` view, if its layers lie in one tensor."""
+        return self._rows
+
+    def copy_in(self, first: int, src: torch.Tensor, src_ids: torch.Tensor,
+                block_ids: torch.Tensor) -> None:
+        """Blocks `src_ids` of another cache's rows `src` ([2k, N', E]: layers first ..
+        first + k - 1, as `rows` views them) into blocks `block_ids` of those layers."""
+        count = src.shape[0] // 2
+        if self._rows is not None:
+            copy_blocks(src, src_ids, self._rows[2 * first:2 * (first + count)], block_ids)
+            return
+        for i in range(count):
+            copy_blocks(src[2 * i:2 * i + 2], src_ids, _rows(self.caches[first + i]), block_ids)
+
     def gather(self, first: int, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Blocks `block_ids` of layers first .. first + k - 1 into `out` [k, 2, n, bs, H, D]
         (block_ids: int64 on the caches' device)."""

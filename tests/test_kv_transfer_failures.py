@@ -26,7 +26,7 @@ from kv_helpers import (
 )
 
 from tandem.kvtransfer.agent import SinkInfo, State, TransferAgent
-from tandem.kvtransfer.connector import Frame, TransferError
+from tandem.kvtransfer.connector import Frame, TransferError, get_connector
 from tandem.kvtransfer.layout import KVLayout, LayoutMismatch
 from tandem.kvtransfer.sender import KVPush, push
 from tandem.kvtransfer.tcp import TcpConnector, parse_address
@@ -45,15 +45,18 @@ class Dest:
     connector: TcpConnector
 
 
-@pytest.fixture
-def dest() -> Iterator[Dest]:
+@pytest.fixture(params=["tcp", "ipc"])
+def dest(request: pytest.FixtureRequest) -> Iterator[Dest]:
+    """A destination whose agent receives through tcp, or ipc (the same control frames
+    over tcp, the blocks read from the sender's cache)."""
     caches = make_caches(NUM_BLOCKS, seed=2)
     blocks = PoolBlocks(NUM_BLOCKS)
     layout = KVLayout.of(caches, MODEL)
-    connector = TcpConnector(io_timeout=5.0)
+    connector = get_connector(request.param, io_timeout=5.0)
     agent = TransferAgent(caches, layout, connector, blocks.free)
     yield Dest(agent, caches, clone(caches), blocks, layout, connector)
     agent.close()
+    connector.close()
 
 
 def _freed(d: Dest, timeout: float = 5.0) -> bool:
@@ -95,7 +98,7 @@ def test_sender_killed_mid_transfer_frees_the_sink_at_disconnect(dest: Dest) -> 
     sent = ctx.Event()
     proc = ctx.Process(
         target=send_some_layers_then_hang,
-        args=("tcp", sink.to_dict(), [0, 1, 2, 3], "float32", 2, sent),
+        args=(dest.connector.name, sink.to_dict(), [0, 1, 2, 3], "float32", 2, sent),
         daemon=True,
     )
     proc.start()
