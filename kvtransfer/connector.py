@@ -158,6 +158,11 @@ class Sender(ABC):
         None if none came. Raises TransferError if the Receiver's side is gone."""
         raise TransferError(f"{type(self).__name__} has no back channel")
 
+    def release(self) -> None:
+        """The transfers on this connection ended cleanly (nothing owed either way): the
+        connector may keep it for the next sender to the same address. Default: close."""
+        self.close()
+
     @abstractmethod
     def close(self) -> None: ...
 

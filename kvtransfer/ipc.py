@@ -27,7 +27,7 @@ import ctypes
 import os
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +203,7 @@ class _Mapping:
     storage: torch.UntypedStorage
     ptr: int | None  # CUDA: the mapped address, unmapped with cuIpcCloseMemHandle
     users: int = 0
+    views: dict[tuple, torch.Tensor] = field(default_factory=dict)  # built once each
 
 
 class SharedCaches:
@@ -252,12 +253,18 @@ class SharedCaches:
                     raise TransferError(f"the sender's process {pid} is gone")
                 mapping = self._maps[key] = self._map(desc, pid, size, device)
             mapping.users += 1
+            view = mapping.views.get((offset, shape, stride, dtype))
+        if view is not None:
+            return view
         try:
             view = torch.empty(0, dtype=dtype, device=device)
-            return view.set_(mapping.storage, offset // dtype.itemsize, shape, stride)
+            view.set_(mapping.storage, offset // dtype.itemsize, shape, stride)
         except RuntimeError as exc:  # the view does not fit in what was mapped
             self.release(desc, device)
             raise TransferError(f"bad ipc cache description: {exc}") from exc
+        with self._lock:
+            mapping.views[(offset, shape, stride, dtype)] = view
+        return view
 
     def release(self, desc: dict[str, Any], device: torch.device) -> None:
         """One transfer is done reading the view `open` returned for `desc`."""
@@ -358,4 +365,5 @@ class IpcConnector(TcpConnector):
             self._events.append(shared)
 
     def close(self) -> None:
+        super().close()
         self.mapped.close()

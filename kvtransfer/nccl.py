@@ -118,7 +118,7 @@ class NcclConnector(Connector):
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
         self.io_timeout, self.setup_timeout = io_timeout, setup_timeout
-        self._tcp = TcpConnector(io_timeout)
+        self._tcp = TcpConnector(io_timeout, max_idle=0)  # _Link keeps the whole link
         self.max_idle = max_idle  # parked connections per address (0: close at once)
         self._idle: dict[str, list[_Link]] = {}
         self._idle_lock = threading.Lock()

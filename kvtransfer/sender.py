@@ -174,7 +174,7 @@ class KVPush:
         try:
             self._await(DONE)
         finally:
-            self.close()
+            self.close(reuse=True)
 
     def abort(self, reason: str) -> None:
         """Give up; the receiver frees the sink now. Best effort, never raises."""
@@ -189,13 +189,18 @@ class KVPush:
                 pass
         self.close()
 
-    def close(self) -> None:
+    def close(self, reuse: bool = False) -> None:
+        """`reuse`: the transfer ended cleanly (done), so the connection may serve the
+        next one; any other close ends it, which the receiver sees at once."""
         self._closed = True
         if self._computed is not None:
             self._connector.give_event(self._computed)
             self._computed = None
         if self._sender is not None:
-            self._sender.close()
+            if reuse:
+                self._sender.release()
+            else:
+                self._sender.close()
             self._sender = None
 
     def __enter__(self) -> KVPush:
@@ -326,7 +331,7 @@ class KVPush:
             if frame is None:
                 continue
             self._raise_on_abort(frame)
-            if frame.header.get("kind") == kind:
+            if frame.header.get("kind") == kind and self._ours(frame):
                 return
         self.close()
         raise TransferError(f"no {kind!r} from {self.sink.address} in {self._reply_timeout:g}s")
@@ -338,8 +343,12 @@ class KVPush:
             self.close()
             raise
 
+    def _ours(self, frame: Frame) -> bool:
+        """Not a late reply about an earlier transfer on a reused connection."""
+        return frame.header.get("request_id", self.sink.request_id) == self.sink.request_id
+
     def _raise_on_abort(self, frame: Frame) -> None:
-        if frame.header.get("kind") != ABORT:
+        if frame.header.get("kind") != ABORT or not self._ours(frame):
             return
         self.close()
         reason = frame.header.get("reason", "")

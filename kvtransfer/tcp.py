@@ -14,6 +14,7 @@ import logging
 import select
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -54,8 +55,13 @@ def _tune(sock: socket.socket, io_timeout: float) -> None:
 class TcpConnector(Connector):
     name = "tcp"
 
-    def __init__(self, io_timeout: float = 30.0) -> None:
+    def __init__(self, io_timeout: float = 30.0, max_idle: int = 2) -> None:
         self.io_timeout = io_timeout
+        # Connections kept per address after a transfer ended cleanly (`Sender.release`),
+        # so the next one skips connecting (and the receiver starting a thread for it).
+        self.max_idle = max_idle
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._idle_lock = threading.Lock()
 
     def receiver(
         self,
@@ -68,12 +74,43 @@ class TcpConnector(Connector):
 
     def sender(self, address: str, connect_timeout: float = 5.0) -> TcpSender:
         host, port = parse_address(address)
-        try:
-            sock = socket.create_connection((host, port), timeout=connect_timeout)
-        except OSError as exc:  # refused, unreachable, or timed out
-            raise TransferError(f"cannot connect to {address}: {exc}") from exc
-        _tune(sock, self.io_timeout)
-        return TcpSender(sock, address, self.io_timeout)
+        sock = self._reuse(address)
+        if sock is None:
+            try:
+                sock = socket.create_connection((host, port), timeout=connect_timeout)
+            except OSError as exc:  # refused, unreachable, or timed out
+                raise TransferError(f"cannot connect to {address}: {exc}") from exc
+            _tune(sock, self.io_timeout)
+        return TcpSender(sock, address, self.io_timeout, self._park)
+
+    def close(self) -> None:
+        """Close the idle connections kept for reuse."""
+        with self._idle_lock:
+            idle, self._idle = [s for socks in self._idle.values() for s in socks], {}
+        for sock in idle:
+            sock.close()
+
+    def _park(self, address: str, sock: socket.socket) -> None:
+        with self._idle_lock:
+            idle = self._idle.setdefault(address, [])
+            if len(idle) < self.max_idle:
+                idle.append(sock)
+                return
+        sock.close()
+
+    def _reuse(self, address: str) -> socket.socket | None:
+        """An idle connection to `address` with nothing waiting on it. One with bytes to
+        read was closed by the receiver or carries a late reply: not reused."""
+        while True:
+            with self._idle_lock:
+                idle = self._idle.get(address)
+                if not idle:
+                    return None
+                sock = idle.pop()
+            readable, _, _ = select.select([sock], [], [], 0)
+            if not readable:
+                return sock
+            sock.close()
 
 
 @dataclass(eq=False)
@@ -182,9 +219,17 @@ class TcpReceiver(Receiver):
 class TcpSender(Sender):
     """One connection to a Receiver. Used by one thread at a time."""
 
-    def __init__(self, sock: socket.socket, address: str, io_timeout: float) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        address: str,
+        io_timeout: float,
+        park: Callable[[str, socket.socket], None] | None = None,
+    ) -> None:
         self._sock, self._address, self._io_timeout = sock, address, io_timeout
         self._staging = HostStaging()
+        self._park = park
+        self._broken = False  # a send or read failed: the stream may be mid-frame
 
     def send(self, frame: Frame, timeout: float | None = None) -> None:
         # The timeout bounds the whole send, so a receiver that stops reading is caught.
@@ -192,8 +237,10 @@ class TcpSender(Sender):
         try:
             send_frame(self._sock, frame, self._staging)
         except TimeoutError as exc:
+            self._broken = True
             raise TransferError(f"send to {self._address} timed out") from exc
         except OSError as exc:
+            self._broken = True
             raise TransferError(f"send to {self._address} failed: {exc}") from exc
 
     def poll(self, timeout: float = 0.0) -> Frame | None:
@@ -203,11 +250,22 @@ class TcpSender(Sender):
                 return None
             self._sock.settimeout(self._io_timeout)
             frame = recv_frame(self._sock, _no_payloads, self._staging)
-        except OSError as exc:
+        except (OSError, TransferError) as exc:
+            self._broken = True
+            if isinstance(exc, TransferError):
+                raise
             raise TransferError(f"connection to {self._address} lost: {exc}") from exc
         if frame is None:
+            self._broken = True
             raise TransferError(f"receiver at {self._address} closed the connection")
         return frame
+
+    def release(self) -> None:
+        if self._park is None or self._broken or self._sock.fileno() < 0:
+            self.close()
+        else:
+            self._park(self._address, self._sock)
+            self._park = None
 
     def close(self) -> None:
         self._sock.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import pytest
 import torch
@@ -286,3 +287,65 @@ def test_a_planned_push_takes_layers_once_each_in_order() -> None:
                 p.send_layer(1)
     finally:
         agent.close()
+
+
+class PeerRecordingTcp(TcpConnector):
+    """The tcp connector, noting the connection (peer id) each begin came in on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.begins: list[str | None] = []
+
+    def receiver(self, host, alloc, on_frame, on_error):  # noqa: ANN001, ANN201
+        def record(frame: Frame) -> None:
+            if frame.header.get("kind") == "begin":
+                self.begins.append(frame.peer)
+            on_frame(frame)
+
+        return super().receiver(host, alloc, record, on_error)
+
+
+def test_a_connection_is_reused_after_a_clean_transfer_and_only_then() -> None:
+    connector = PeerRecordingTcp()
+    src, dst = make_caches(16, seed=1), make_caches(16, seed=2)
+    layout = KVLayout.of(dst, MODEL)
+    agent = TransferAgent(dst, layout, connector, lambda ids: None)
+    try:
+        for rid, ids in (("a", [9, 3]), ("b", [4, 5])):
+            push(connector, agent.reserve(rid, ids, ttl_s=30), src, [1, 2], layout)
+            assert agent.wait_ready(rid, timeout=5)
+        assert_blocks_equal(dst, [9, 3, 4, 5], src, [1, 2, 1, 2])
+        # A late abort of a finished request lands on the idle connection: it is not
+        # reused (its bytes are no transfer's), and the next push still goes through.
+        assert agent.abort("a", "dropped after ready")
+        time.sleep(0.2)
+        push(connector, agent.reserve("c", [6], ttl_s=30), src, [0], layout)
+        # A push that failed (aborted by the receiver) does not leave its connection.
+        with KVPush(connector, agent.reserve("d", [7], ttl_s=30), src, [0], layout) as p:
+            p.start()
+            agent.abort("d", "client went away")
+            with pytest.raises(TransferError, match="client went away"):
+                for layer in range(layout.num_layers):
+                    time.sleep(0.05)
+                    p.send_layer(layer)
+        push(connector, agent.reserve("e", [8], ttl_s=30), src, [0], layout)
+    finally:
+        agent.close()
+    a, b, c, d, e = connector.begins
+    assert a == b != c == d != e
+    assert_blocks_equal(dst, [6, 8], src, [0, 0])
+
+
+def test_an_idle_connection_to_a_closed_receiver_is_not_reused() -> None:
+    connector = TcpConnector()
+    src, dst = make_caches(16, seed=1), make_caches(16, seed=2)
+    layout = KVLayout.of(dst, MODEL)
+    agent = TransferAgent(dst, layout, connector, lambda ids: None)
+    push(connector, agent.reserve("a", [1], ttl_s=30), src, [0], layout)
+    sink = agent.reserve("b", [2], ttl_s=30)
+    agent.close()
+    start = time.monotonic()
+    with pytest.raises(TransferError, match="cannot connect"):
+        push(connector, sink, src, [0], layout, connect_timeout=1.0)
+    assert time.monotonic() - start < 5
+    connector.close()
