@@ -1,6 +1,7 @@
 """The nccl connector: payloads over a two-rank torch.distributed process group per
 connection (NCCL between GPUs; gloo, the same code on CPU, which is what CI runs), headers
-and replies over the tcp connector's control connection.
+and replies over the tcp connector's control connection. This module has the connector
+and the receiving side; the sending side is `nccl_sender.py`.
 
 NCCL and gloo can only `recv` into a posted buffer of the right size, so every frame's
 header, which names the payload's dtype and shape, goes first over TCP; the receiver
@@ -46,7 +47,6 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -60,14 +60,11 @@ from tandem.kvtransfer.connector import (
     Frame,
     FrameHandler,
     Receiver,
-    Sender,
-    SendHandle,
-    Sent,
     TransferError,
-    payload_header,
     payload_spec,
 )
 from tandem.kvtransfer.nccl_group import RECEIVER_RANK, SENDER_RANK, PairGroup
+from tandem.kvtransfer.nccl_sender import NcclLink, NcclSender
 from tandem.kvtransfer.tcp import TcpConnector, TcpReceiver, TcpSender
 
 log = logging.getLogger(__name__)
@@ -118,9 +115,9 @@ class NcclConnector(Connector):
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
         self.io_timeout, self.setup_timeout = io_timeout, setup_timeout
-        self._tcp = TcpConnector(io_timeout, max_idle=0)  # _Link keeps the whole link
+        self._tcp = TcpConnector(io_timeout, max_idle=0)  # NcclLink keeps the whole link
         self.max_idle = max_idle  # parked connections per address (0: close at once)
-        self._idle: dict[str, list[_Link]] = {}
+        self._idle: dict[str, list[NcclLink]] = {}
         self._idle_lock = threading.Lock()
 
     def receiver(
@@ -148,7 +145,7 @@ class NcclConnector(Connector):
         for link in idle:
             link.close()
 
-    def _connect(self, address: str, connect_timeout: float) -> _Link:
+    def _connect(self, address: str, connect_timeout: float) -> NcclLink:
         try:
             control = self._tcp.sender(_tcp_address(address), connect_timeout)
         except TransferError as exc:
@@ -169,14 +166,14 @@ class NcclConnector(Connector):
             if isinstance(exc, TransferError) or not isinstance(exc, Exception):
                 raise
             raise TransferError(f"cannot set up a process group with {address}: {exc}") from exc
-        return _Link(control, group)
+        return NcclLink(control, group)
 
     # A connection costs a rendezvous and, under NCCL, a communicator (0.35 s to set up on
     # two H200s, and GPU buffers), while KVPush opens a sender per request; so a sender
     # closed cleanly, at a frame boundary, parks its connection here for the next sender to
     # the same address. A parked one whose receiver went away is dropped on reuse.
 
-    def _reuse(self, address: str) -> _Link | None:
+    def _reuse(self, address: str) -> NcclLink | None:
         while True:
             with self._idle_lock:
                 idle = self._idle.get(address)
@@ -187,7 +184,7 @@ class NcclConnector(Connector):
                 return link
             link.close()  # the receiver went away while it sat idle
 
-    def _park(self, address: str, link: _Link) -> None:
+    def _park(self, address: str, link: NcclLink) -> None:
         with self._idle_lock:
             idle = self._idle.setdefault(address, [])
             if len(idle) < self.max_idle:
@@ -343,123 +340,3 @@ class NcclReceiver(Receiver):
 
 def _no_control_payloads(header: dict[str, Any]) -> torch.Tensor:
     raise TransferError("payloads travel over the process group, not the control connection")
-
-
-@dataclass(eq=False)
-class _Link:
-    """A sender's connection: the control socket and the process group."""
-
-    control: TcpSender
-    group: PairGroup
-
-    def drain(self) -> bool:
-        """Drop replies left from an earlier transfer; False if the receiver is gone."""
-        try:
-            while self.control.poll(0) is not None:
-                pass
-        except TransferError:
-            return False
-        return True
-
-    def close(self) -> None:
-        self.control.close()
-        self.group.abort()
-
-
-class NcclSender(Sender):
-    """One connection (control socket + process group). Used by one thread at a time."""
-
-    def __init__(self, connector: NcclConnector, link: _Link, address: str) -> None:
-        self._connector, self._link, self._address = connector, link, address
-        self._io_timeout = connector.io_timeout
-        self._broken: str | None = None
-        self._closed = False
-        self._in_flight: list[_NcclSend] = []  # sends not yet seen completed
-        # A message announced (`next`) and not sent yet: the receiver has a receive posted
-        # for it, so this connection can't carry anything else and is not parked.
-        self._owed: dict[str, Any] | None = None
-
-    def send(self, frame: Frame, timeout: float | None = None) -> None:
-        self.send_async(frame, timeout).wait(timeout)
-
-    def send_async(self, frame: Frame, timeout: float | None = None) -> SendHandle:
-        """The header goes out over tcp now, with no reply awaited; the payload's send is
-        enqueued on the group's stream (nccl; gloo sends it before returning)."""
-        self._check_open()
-        timeout = timeout or self._io_timeout
-        header = Frame(payload_header(frame))
-        work = None
-        try:
-            if frame.payload is None:
-                self._link.control.send(header, timeout)
-            elif self._link.group.backend == "nccl":
-                # Payload first: its send only waits on the GPU for the matching receive,
-                # which may already be posted (announced ahead); the header follows.
-                work = self._link.group.start_send(frame.payload, timeout)
-                self._link.control.send(header, timeout)
-            else:  # gloo sends synchronously: the receiver needs the header first
-                self._link.control.send(header, timeout)
-                work = self._link.group.start_send(frame.payload, timeout)
-        except TransferError as exc:
-            # Half a frame went out (or the group is dead): this connection is over.
-            self._fail(str(exc))
-            raise
-        if frame.payload is not None:
-            self._owed = None  # the announced message, if one was owed, is this one
-        if "next" in frame.header:
-            self._owed = frame.header["next"]
-        if work is None:
-            return Sent()
-        handle = _NcclSend(self, work, frame.payload, timeout)
-        self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
-        return handle
-
-    def poll(self, timeout: float = 0.0) -> Frame | None:
-        self._check_open()
-        try:
-            return self._link.control.poll(timeout)
-        except TransferError as exc:
-            self._fail(str(exc))
-            raise
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            if self._owed is None and all(h.done() for h in self._in_flight):
-                self._connector._park(self._address, self._link)
-            else:  # mid-message or a receive posted for nothing: the link can't be reused
-                self._link.close()
-            self._in_flight = []
-
-    def _check_open(self) -> None:
-        if self._closed:
-            why = f" ({self._broken})" if self._broken else ""
-            raise TransferError(f"connection to {self._address} is closed{why}")
-
-    def _fail(self, why: str) -> None:
-        self._broken, self._closed = why, True
-        self._link.close()
-
-
-class _NcclSend(SendHandle):
-    """A payload's send enqueued on the group's stream; holds the payload until done."""
-
-    def __init__(self, sender: NcclSender, work: Any, payload: torch.Tensor,
-                 timeout: float) -> None:
-        self._sender, self._work, self._payload = sender, work, payload
-        self._timeout = timeout
-        self._done = False
-
-    def done(self) -> bool:
-        self._done = self._done or self._work.is_completed()
-        return self._done
-
-    def wait(self, timeout: float | None = None) -> None:
-        if self._done:
-            return
-        try:
-            self._sender._link.group.wait(self._work, timeout or self._timeout)
-        except TransferError as exc:
-            self._sender._fail(str(exc))
-            raise
-        self._done = True
