@@ -272,7 +272,8 @@ class TransferAgent:
                 raise TransferError(
                     f"sender has {header['num_blocks']} blocks, sink {len(sink.block_ids)}"
                 )
-            source = None if "source" not in header else self._open_source(header["source"])
+            source = (None if "source" not in header
+                      else self._open_source(header["source"], len(sink.block_ids)))
         except TransferError as exc:
             self._fail(sink, str(exc), notify=True, peer=peer, error=_code(exc))
             return
@@ -381,9 +382,9 @@ class TransferAgent:
         landed.record(self._stream)
         return landed
 
-    def _open_source(self, desc: Any) -> _Source:
+    def _open_source(self, desc: Any, num_blocks: int) -> _Source:
         """Map the cache a begin's `source` names; raises TransferError if it can't be
-        read from here or does not fit the layout and the sink."""
+        read from here or does not fit the layout and the sink's `num_blocks`."""
         if not getattr(self._connector, "direct", False):
             raise TransferError(f"the sender reads through ipc, this receiver through "
                                 f"{self._connector.name}")
@@ -401,8 +402,10 @@ class TransferAgent:
                     or rows.dtype != self.layout.torch_dtype or rows.stride(2) != 1):
                 raise TransferError(f"the sender's cache {tuple(rows.shape)} {rows.dtype} "
                                     f"does not hold this layout's blocks")
-            if len(ids) != len(set(ids)) or not all(0 <= b < rows.shape[1] for b in ids):
-                raise TransferError(f"sender block ids out of range or repeated: {ids}")
+            if (len(ids) != num_blocks or len(ids) != len(set(ids))
+                    or not all(0 <= b < rows.shape[1] for b in ids)):
+                raise TransferError(f"sender block ids out of range, repeated or not "
+                                    f"{num_blocks}: {ids}")
             source.index = torch.tensor(ids, dtype=torch.long, device=self._device)
             if event is not None and self._device.type == "cuda":
                 source.computed = self._connector.mapped.event(

@@ -22,8 +22,9 @@ before the bytes come (nccl) posts it while the previous message is still on the
 With a direct connector (ipc) no KV goes through this side at all: `begin` names the
 cache, its blocks and a CUDA IPC event, each layer message is a header sent after the
 event is recorded, and the receiver copies the blocks out of this cache itself; with
-`all_computed`, `begin` says every layer is computed and no layer message follows. The blocks must
-stay unchanged until `finish` returns (it waits for the receiver to be done with them).
+`all_computed`, `begin` says every layer is computed and no layer message follows. The
+blocks must stay unchanged until `finish` returns (it waits for the receiver to be done
+with them).
 
 Every failure raises TransferError (LayoutMismatch for a layout mismatch) within a
 bounded time; leaving the `with` block on an exception aborts the transfer, so the
@@ -173,8 +174,10 @@ class KVPush:
         self._send({"kind": END})
         try:
             self._await(DONE)
-        finally:
-            self.close(reuse=True)
+        except BaseException:
+            self.close()
+            raise
+        self.close(reuse=True)
 
     def abort(self, reason: str) -> None:
         """Give up; the receiver frees the sink now. Best effort, never raises."""

@@ -165,9 +165,10 @@ def test_a_sender_on_another_host_is_refused_before_any_copy() -> None:
     assert "the sender is on another host" in reason
 
 
-def test_block_ids_outside_the_senders_cache_are_refused() -> None:
-    reason = _forged_begin({"block_ids": [2, 4]}, num_src_blocks=4)
-    assert "sender block ids out of range or repeated: [2, 4]" in reason
+@pytest.mark.parametrize("ids", [[2, 4], [1, 1], [0, 1, 2]], ids=["outside", "twice", "extra"])
+def test_sender_block_ids_that_do_not_fit_are_refused(ids: list[int]) -> None:
+    reason = _forged_begin({"block_ids": ids}, num_src_blocks=4)
+    assert f"sender block ids out of range, repeated or not 2: {ids}" in reason
 
 
 def test_a_cache_that_does_not_hold_the_layout_is_refused() -> None:
