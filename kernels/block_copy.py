@@ -48,11 +48,23 @@ def _check(src: torch.Tensor, src_ids: torch.Tensor | None,
 
 def copy_blocks_reference(src: torch.Tensor, src_ids: torch.Tensor | None,
                           dst: torch.Tensor, dst_ids: torch.Tensor | None) -> None:
-    rows = src if src_ids is None else src.index_select(1, src_ids)
-    if dst_ids is None:
-        dst.copy_(rows)
+    """torch ops, with no temporary where it can be helped: on CPU a fresh temporary of
+    a request's blocks costs its page faults, several times the copy itself."""
+    if src_ids is None:
+        if dst_ids is None:
+            dst.copy_(src)
+        else:
+            dst.index_copy_(1, dst_ids, src)
+    elif dst_ids is None:
+        if dst.is_contiguous():
+            torch.index_select(src, 1, src_ids, out=dst)
+        else:
+            dst.copy_(src.index_select(1, src_ids))
+    elif src.is_cuda:
+        dst.index_copy_(1, dst_ids, src.index_select(1, src_ids))  # the allocator reuses it
     else:
-        dst.index_copy_(1, dst_ids, rows)
+        for s, d in zip(src_ids.tolist(), dst_ids.tolist()):
+            dst[:, d].copy_(src[:, s])
 
 
 def copy_blocks(src: torch.Tensor, src_ids: torch.Tensor | None,
