@@ -480,7 +480,7 @@ class TransferAgent:
         else:  # a scatter may still write them: leaked beats corrupting their next owner
             log.error("KV transfer %s: blocks %s leaked, a scatter into them never ran",
                       sink.request_id, list(sink.block_ids))
-        if notify and peer is not None:
+        if notify and peer is not None:  # after the free: an abort means the blocks are back
             self._reply(peer, _abort(sink.request_id, reason, error))
         _call(self._on_failed, sink.request_id, reason)
         return True

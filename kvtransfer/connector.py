@@ -36,14 +36,16 @@ defaults, which raise.
 from __future__ import annotations
 
 import importlib
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
+C = TypeVar("C")  # a connector's connection type
 
 class TransferError(RuntimeError):
     """A transfer failed: peer unreachable or gone, timeout, abort, or layout mismatch."""
@@ -96,6 +98,45 @@ def poll_until(done: Callable[[], bool], deadline: float) -> bool:
         time.sleep(pause)
         pause = min(pause * 2, 5e-5 if now - start < 0.01 else 1e-3)
     return True
+
+
+class IdleConnections(Generic[C]):
+    """Senders' connections kept per address after a transfer ended cleanly, for the next
+    sender to the same address: at most `max_idle` per address (the rest are closed), and
+    one found no longer `usable` (its receiver went away, or left bytes on it) is closed
+    rather than handed out. Thread-safe."""
+
+    def __init__(self, max_idle: int, usable: Callable[[C], bool],
+                 close: Callable[[C], None]) -> None:
+        self.max_idle = max_idle
+        self._usable, self._close = usable, close
+        self._idle: dict[str, list[C]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, address: str) -> C | None:
+        while True:
+            with self._lock:
+                idle = self._idle.get(address)
+                if not idle:
+                    return None
+                conn = idle.pop()
+            if self._usable(conn):
+                return conn
+            self._close(conn)
+
+    def park(self, address: str, conn: C) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            if len(idle) < self.max_idle:
+                idle.append(conn)
+                return
+        self._close(conn)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = [c for conns in self._idle.values() for c in conns], {}
+        for conn in idle:
+            self._close(conn)
 
 
 # Given an incoming frame's header (which names the payload's shape and dtype), return

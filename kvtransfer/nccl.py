@@ -59,6 +59,7 @@ from tandem.kvtransfer.connector import (
     ErrorHandler,
     Frame,
     FrameHandler,
+    IdleConnections,
     Receiver,
     TransferError,
     payload_spec,
@@ -116,9 +117,8 @@ class NcclConnector(Connector):
                 self.device = torch.device("cuda", torch.cuda.current_device())
         self.io_timeout, self.setup_timeout = io_timeout, setup_timeout
         self._tcp = TcpConnector(io_timeout, max_idle=0)  # NcclLink keeps the whole link
-        self.max_idle = max_idle  # parked connections per address (0: close at once)
-        self._idle: dict[str, list[NcclLink]] = {}
-        self._idle_lock = threading.Lock()
+        # parked connections per address (0: close at once); see `sender`
+        self._idle = IdleConnections(max_idle, NcclLink.drain, NcclLink.close)
 
     def receiver(
         self,
@@ -135,15 +135,20 @@ class NcclConnector(Connector):
         )
 
     def sender(self, address: str, connect_timeout: float = 5.0) -> NcclSender:
-        link = self._reuse(address) or self._connect(address, connect_timeout)
+        # A connection costs a rendezvous and, under NCCL, a communicator (0.35 s to set
+        # up on two H200s, and GPU buffers), while KVPush opens a sender per request; so a
+        # sender closed cleanly, at a frame boundary, parks its connection for the next
+        # sender to the same address. A parked one whose receiver went away is dropped.
+        link = self._idle.take(address) or self._connect(address, connect_timeout)
         return NcclSender(self, link, address)
+
+    def park(self, address: str, link: NcclLink) -> None:
+        """Keep a cleanly closed sender's connection for the next sender to `address`."""
+        self._idle.park(address, link)
 
     def close(self) -> None:
         """Close the idle connections this connector keeps for reuse."""
-        with self._idle_lock:
-            idle, self._idle = [link for links in self._idle.values() for link in links], {}
-        for link in idle:
-            link.close()
+        self._idle.close()
 
     def _connect(self, address: str, connect_timeout: float) -> NcclLink:
         try:
@@ -167,30 +172,6 @@ class NcclConnector(Connector):
                 raise
             raise TransferError(f"cannot set up a process group with {address}: {exc}") from exc
         return NcclLink(control, group)
-
-    # A connection costs a rendezvous and, under NCCL, a communicator (0.35 s to set up on
-    # two H200s, and GPU buffers), while KVPush opens a sender per request; so a sender
-    # closed cleanly, at a frame boundary, parks its connection here for the next sender to
-    # the same address. A parked one whose receiver went away is dropped on reuse.
-
-    def _reuse(self, address: str) -> NcclLink | None:
-        while True:
-            with self._idle_lock:
-                idle = self._idle.get(address)
-                if not idle:
-                    return None
-                link = idle.pop()
-            if link.drain():
-                return link
-            link.close()  # the receiver went away while it sat idle
-
-    def _park(self, address: str, link: NcclLink) -> None:
-        with self._idle_lock:
-            idle = self._idle.setdefault(address, [])
-            if len(idle) < self.max_idle:
-                idle.append(link)
-                return
-        link.close()
 
 
 def _await_welcome(control: TcpSender, address: str, timeout: float) -> dict[str, Any]:

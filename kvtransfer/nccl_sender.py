@@ -106,7 +106,7 @@ class NcclSender(Sender):
         if not self._closed:
             self._closed = True
             if self._owed is None and all(h.done() for h in self._in_flight):
-                self._connector._park(self._address, self._link)
+                self._connector.park(self._address, self._link)
             else:  # mid-message or a receive posted for nothing: the link can't be reused
                 self._link.close()
             self._in_flight = []

@@ -24,6 +24,7 @@ from tandem.kvtransfer.connector import (
     ErrorHandler,
     Frame,
     FrameHandler,
+    IdleConnections,
     Receiver,
     Sender,
     TransferError,
@@ -59,9 +60,7 @@ class TcpConnector(Connector):
         self.io_timeout = io_timeout
         # Connections kept per address after a transfer ended cleanly (`Sender.release`),
         # so the next one skips connecting (and the receiver starting a thread for it).
-        self.max_idle = max_idle
-        self._idle: dict[str, list[socket.socket]] = {}
-        self._idle_lock = threading.Lock()
+        self._idle = IdleConnections(max_idle, _quiet, socket.socket.close)
 
     def receiver(
         self,
@@ -74,43 +73,25 @@ class TcpConnector(Connector):
 
     def sender(self, address: str, connect_timeout: float = 5.0) -> TcpSender:
         host, port = parse_address(address)
-        sock = self._reuse(address)
+        sock = self._idle.take(address)
         if sock is None:
             try:
                 sock = socket.create_connection((host, port), timeout=connect_timeout)
             except OSError as exc:  # refused, unreachable, or timed out
                 raise TransferError(f"cannot connect to {address}: {exc}") from exc
             _tune(sock, self.io_timeout)
-        return TcpSender(sock, address, self.io_timeout, self._park)
+        return TcpSender(sock, address, self.io_timeout, self._idle.park)
 
     def close(self) -> None:
         """Close the idle connections kept for reuse."""
-        with self._idle_lock:
-            idle, self._idle = [s for socks in self._idle.values() for s in socks], {}
-        for sock in idle:
-            sock.close()
+        self._idle.close()
 
-    def _park(self, address: str, sock: socket.socket) -> None:
-        with self._idle_lock:
-            idle = self._idle.setdefault(address, [])
-            if len(idle) < self.max_idle:
-                idle.append(sock)
-                return
-        sock.close()
 
-    def _reuse(self, address: str) -> socket.socket | None:
-        """An idle connection to `address` with nothing waiting on it. One with bytes to
-        read was closed by the receiver or carries a late reply: not reused."""
-        while True:
-            with self._idle_lock:
-                idle = self._idle.get(address)
-                if not idle:
-                    return None
-                sock = idle.pop()
-            readable, _, _ = select.select([sock], [], [], 0)
-            if not readable:
-                return sock
-            sock.close()
+def _quiet(sock: socket.socket) -> bool:
+    """Nothing to read on an idle connection: one with bytes waiting was closed by the
+    receiver or carries a late reply, and is not reused."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    return not readable
 
 
 @dataclass(eq=False)

@@ -63,6 +63,14 @@ def _freed(d: Dest, timeout: float = 5.0) -> bool:
     return wait_until(lambda: d.blocks.num_free == NUM_BLOCKS, timeout)
 
 
+def _send_until_it_raises(p: KVPush, layers: range) -> None:
+    """Go on sending: the receiver frees the sink, then replies with its abort, which one
+    of these sees (the receiver drops what comes in for a failed sink)."""
+    for layer in layers:
+        p.send_layer(layer)
+        time.sleep(0.05)
+
+
 def test_layout_mismatch_seen_by_the_sender_moves_no_data(dest: Dest) -> None:
     ids = dest.blocks.allocate(4)
     sink = dest.agent.reserve("r", ids, ttl_s=30)
@@ -160,7 +168,7 @@ def test_stalled_sender_is_stopped_by_the_ttl(dest: Dest) -> None:
         p.send_layer(0)
         assert _freed(dest, timeout=5)
         with pytest.raises(TransferError, match="aborted by receiver: reservation expired"):
-            p.send_layer(1)
+            _send_until_it_raises(p, range(1, dest.layout.num_layers))
     assert dest.blocks.frees == [ids]
 
 
@@ -176,7 +184,7 @@ def test_abort_on_the_receiver_stops_the_sender(dest: Dest) -> None:
         assert wait_until(lambda: dest.agent.status("r").layers_received == 1)
         assert dest.agent.abort("r", "client went away")
         with pytest.raises(TransferError, match="aborted by receiver: client went away"):
-            p.send_layer(1)
+            _send_until_it_raises(p, range(1, dest.layout.num_layers))
     assert dest.blocks.frees == [ids] and dest.blocks.num_free == NUM_BLOCKS - 2
     assert not dest.agent.abort("r")  # already failed: freed exactly once
     assert dest.agent.status("keep").state is State.RESERVED
