@@ -161,15 +161,16 @@ def concurrent_roundtrip(connector: Connector) -> None:
 
 def send_some_layers_then_hang(
     connector_name: str, sink: dict, src_ids: list[int], dtype_name: str, layers: int,
-    sent: object,
+    sent: object, options: dict[str, Any] | None = None,
 ) -> None:
     """Subprocess body (spawn): open a transfer, send `layers` layers, report through the
-    `sent` Event, then wait to be killed."""
+    `sent` Event, then wait to be killed. `options` go to get_connector."""
     from tandem.kvtransfer.connector import get_connector
 
     caches = make_caches(16, getattr(torch, dtype_name), seed=1)
-    connector = get_connector(connector_name)
-    p = KVPush(connector, SinkInfo.from_dict(sink), caches, src_ids, KVLayout.of(caches, MODEL))
+    connector = get_connector(connector_name, **(options or {}))
+    p = KVPush(connector, SinkInfo.from_dict(sink), caches, src_ids, KVLayout.of(caches, MODEL),
+               connect_timeout=20)
     p.start()
     for layer in range(layers):
         p.send_layer(layer)
