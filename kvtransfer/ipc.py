@@ -24,9 +24,11 @@ transfer reads it, or the connector closes.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ from tandem.kvtransfer.connector import TransferError, dtype_from_name, dtype_na
 from tandem.kvtransfer.tcp import TcpConnector
 
 
+@functools.cache
 def host_id() -> str:
     """This boot of this machine: equal in two processes exactly when they share a host."""
     try:
@@ -176,6 +179,7 @@ class SharedEvent:
 # Events made here, by handle: CUDA can't open an event's handle in the process that made
 # it either. Connectors reuse their events, so this stays as small as their pools.
 _own_events: dict[str, torch.cuda.Event] = {}
+_PRUNE_EVERY_S = 1.0  # how often open/release look for exporters that are gone
 
 
 def shared_event(device: torch.device) -> SharedEvent:
@@ -209,14 +213,15 @@ class _Mapping:
 class SharedCaches:
     """Peer caches mapped into this process: one mapping per exported cache, shared by
     the transfers that read it (`open` ... `release`). A mapping is unmapped once no
-    transfer reads it and its exporter is gone (checked at each open and release), or
-    on `close`. Thread-safe."""
+    transfer reads it and its exporter is gone (checked by open and release, at most
+    once a second, and by `prune`), or on `close`. Thread-safe."""
 
     def __init__(self) -> None:
         self._maps: dict[tuple, _Mapping] = {}
         # Opened events, kept while their maker lives: senders reuse theirs, and opening
         # one costs more than a whole transfer's copy.
         self._events: dict[tuple[int, str, str], torch.cuda.Event] = {}
+        self._pruned_at = -float("inf")
         self._lock = threading.Lock()
 
     def event(self, pid: int, handle: str, device: torch.device) -> torch.cuda.Event:
@@ -246,7 +251,7 @@ class SharedCaches:
         except (KeyError, TypeError, ValueError) as exc:
             raise TransferError(f"bad ipc cache description: {exc!r}") from exc
         with self._lock:
-            self._prune_locked()
+            self._prune_locked(every_s=_PRUNE_EVERY_S)
             mapping = self._maps.get(key)
             if mapping is None:
                 if not _alive(pid):
@@ -274,7 +279,7 @@ class SharedCaches:
             mapping = self._maps.get(key)
             if mapping is not None:
                 mapping.users -= 1
-            self._prune_locked()
+            self._prune_locked(every_s=_PRUNE_EVERY_S)
 
     def close(self) -> None:
         with self._lock:
@@ -306,12 +311,17 @@ class SharedCaches:
         return _Mapping(pid, device, storage, None)
 
     def prune(self) -> None:
-        """Unmap the caches nobody reads whose exporter is gone (`open` and `release`
-        do this too)."""
+        """Unmap the caches nobody reads whose exporter is gone, now."""
         with self._lock:
             self._prune_locked()
 
-    def _prune_locked(self) -> None:
+    def _prune_locked(self, every_s: float = 0.0) -> None:
+        """`prune`, holding `_lock`; skipped if it ran less than `every_s` ago (a check
+        costs a syscall per mapping and event, on every transfer's critical path)."""
+        now = time.monotonic()
+        if now - self._pruned_at < every_s:
+            return
+        self._pruned_at = now
         for key, mapping in list(self._maps.items()):
             if mapping.users <= 0 and not _alive(mapping.pid):
                 del self._maps[key]
