@@ -82,7 +82,8 @@ class KVPush:
         self._connector = connector
         self._rows = KVRows(kv_caches)
         device = kv_caches[0].device
-        self._src = torch.tensor(list(src_block_ids), dtype=torch.long, device=device)
+        self._src_ids = [int(b) for b in src_block_ids]  # for the host: no device sync
+        self._src = torch.tensor(self._src_ids, dtype=torch.long, device=device)
         self._direct = getattr(connector, "direct", False)
         if self._direct and self._rows.rows is None:
             raise ValueError(f"the {connector.name} connector reads the KV cache as one "
@@ -238,7 +239,7 @@ class KVPush:
     def _source(self) -> dict[str, Any]:
         """What a direct receiver reads from: this cache, the blocks, the event."""
         source = {**self._connector.export(self._rows.rows),
-                  "block_ids": self._src.tolist()}
+                  "block_ids": self._src_ids}
         if self._computed is not None:
             source["event"] = self._computed.handle
         return source
