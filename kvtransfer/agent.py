@@ -51,6 +51,7 @@ from tandem.kvtransfer.connector import (
     payload_spec,
     poll_until,
 )
+from tandem.kvtransfer.ipc import Source
 from tandem.kvtransfer.layout import KVLayout, LayoutMismatch
 from tandem.kvtransfer.staging import KVRows, StagingPool
 
@@ -116,17 +117,7 @@ class _Sink:
     # CUDA: recorded after the latest scatter, which the stream may not have run yet (the
     # connector hands over payloads still landing); its blocks are not freed before it.
     landed: torch.cuda.Event | None = None
-    source: _Source | None = None  # ipc: where the blocks are read from
-
-
-@dataclass(eq=False)
-class _Source:
-    """The sender's cache as mapped here (ipc), read by the receiver's own copies."""
-
-    desc: dict[str, Any]  # as exported; `release` takes it back
-    rows: torch.Tensor  # the sender's cache as [2L, N, E]
-    index: torch.Tensor  # the sender's block ids, in sink order, on the receiver's device
-    computed: torch.cuda.Event | None  # CUDA: recorded by the sender after the layers it sent
+    source: Source | None = None  # ipc: where the blocks are read from
 
 
 class TransferAgent:
@@ -282,7 +273,7 @@ class TransferAgent:
             if accepted:
                 sink.state, sink.peer, sink.source = State.RECEIVING, peer, source
         if not accepted and source is not None:
-            self._close_source(source)
+            source.close()
         if accepted:
             self._reply(peer, Frame({"kind": ACCEPT, "request_id": rid}))
         else:
@@ -335,7 +326,7 @@ class TransferAgent:
                     if ready:
                         sink.state = State.READY
                 if ready and sink.source is not None:  # every copy out of it has run
-                    self._close_source(sink.source)
+                    sink.source.close()
                     sink.source = None
         if error is not None:
             self._fail(sink, error, notify=True)
@@ -382,41 +373,11 @@ class TransferAgent:
         landed.record(self._stream)
         return landed
 
-    def _open_source(self, desc: Any, num_blocks: int) -> _Source:
-        """Map the cache a begin's `source` names; raises TransferError if it can't be
-        read from here or does not fit the layout and the sink's `num_blocks`."""
+    def _open_source(self, desc: Any, num_blocks: int) -> Source:
         if not getattr(self._connector, "direct", False):
             raise TransferError(f"the sender reads through ipc, this receiver through "
                                 f"{self._connector.name}")
-        try:
-            ids = [int(b) for b in desc["block_ids"]]
-            event = desc.get("event")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TransferError(f"bad ipc source: {exc!r}") from exc
-        rows = self._connector.mapped.open(desc, self._device)
-        source = _Source(desc, rows, torch.empty(0), None)
-        try:
-            rows_e = (2 * self.layout.num_layers,  # K and V rows; elements per block:
-                      self.layout.block_bytes // (2 * self.layout.torch_dtype.itemsize))
-            if (rows.dim() != 3 or (rows.shape[0], rows.shape[2]) != rows_e
-                    or rows.dtype != self.layout.torch_dtype or rows.stride(2) != 1):
-                raise TransferError(f"the sender's cache {tuple(rows.shape)} {rows.dtype} "
-                                    f"does not hold this layout's blocks")
-            if (len(ids) != num_blocks or len(ids) != len(set(ids))
-                    or not all(0 <= b < rows.shape[1] for b in ids)):
-                raise TransferError(f"sender block ids out of range, repeated or not "
-                                    f"{num_blocks}: {ids}")
-            source.index = torch.tensor(ids, dtype=torch.long, device=self._device)
-            if event is not None and self._device.type == "cuda":
-                source.computed = self._connector.mapped.event(
-                    int(desc["pid"]), str(event), self._device)
-        except BaseException:
-            self._close_source(source)
-            raise
-        return source
-
-    def _close_source(self, source: _Source) -> None:
-        self._connector.mapped.release(source.desc, self._device)
+        return Source.open(self._connector.mapped, desc, self.layout, num_blocks, self._device)
 
     def _on_end(self, header: dict[str, Any], _: torch.Tensor | None, peer: str) -> None:
         rid = header["request_id"]
@@ -469,7 +430,7 @@ class TransferAgent:
         grace = time.monotonic() + _LANDING_GRACE_S
         if sink.landed is None or poll_until(sink.landed.query, grace):
             if sink.source is not None:
-                self._close_source(sink.source)
+                sink.source.close()
                 sink.source = None
             with self._lock:
                 self._owned.difference_update(sink.block_ids)

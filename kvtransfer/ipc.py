@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from tandem.kvtransfer.connector import TransferError, dtype_from_name, dtype_name
+from tandem.kvtransfer.layout import KVLayout
 from tandem.kvtransfer.tcp import TcpConnector
 
 
@@ -126,16 +127,9 @@ class _Driver:
             self._pop(dev)
 
 
-_driver: _Driver | None = None
-_driver_lock = threading.Lock()
-
-
+@functools.cache
 def _cuda() -> _Driver:
-    global _driver
-    with _driver_lock:
-        if _driver is None:
-            _driver = _Driver()
-        return _driver
+    return _Driver()
 
 
 # CUDA allocations exported by this process, by handle: CUDA can't open a handle in the
@@ -336,6 +330,54 @@ class SharedCaches:
                 _cuda().close(mapping.ptr, mapping.device)
             except TransferError:
                 pass  # the context is going away with the process
+
+
+@dataclass(eq=False)
+class Source:
+    """What a receiving agent reads one transfer's blocks from: the sender's cache as
+    mapped here, its block ids in sink order, and (CUDA) the event the sender records
+    after the layers it announces. `close` once no copy out of it is left to run."""
+
+    caches: SharedCaches
+    desc: dict[str, Any]  # as the sender exported it
+    device: torch.device
+    rows: torch.Tensor  # the sender's cache as [2L, N, E]
+    index: torch.Tensor | None = None  # the sender's block ids, on `device`
+    computed: torch.cuda.Event | None = None
+
+    @classmethod
+    def open(cls, caches: SharedCaches, desc: Any, layout: KVLayout, num_blocks: int,
+             device: torch.device) -> Source:
+        """Map the cache a begin's `source` names; raises TransferError if it can't be
+        read from here or does not hold `num_blocks` blocks of `layout`."""
+        try:
+            ids = [int(b) for b in desc["block_ids"]]
+            event = desc.get("event")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransferError(f"bad ipc source: {exc!r}") from exc
+        source = cls(caches, desc, device, caches.open(desc, device))
+        try:
+            rows = source.rows
+            rows_e = (2 * layout.num_layers,  # K and V rows; elements per block:
+                      layout.block_bytes // (2 * layout.torch_dtype.itemsize))
+            if (rows.dim() != 3 or (rows.shape[0], rows.shape[2]) != rows_e
+                    or rows.dtype != layout.torch_dtype or rows.stride(2) != 1):
+                raise TransferError(f"the sender's cache {tuple(rows.shape)} {rows.dtype} "
+                                    f"does not hold this layout's blocks")
+            if (len(ids) != num_blocks or len(ids) != len(set(ids))
+                    or not all(0 <= b < rows.shape[1] for b in ids)):
+                raise TransferError(f"sender block ids out of range, repeated or not "
+                                    f"{num_blocks}: {ids}")
+            source.index = torch.tensor(ids, dtype=torch.long, device=device)
+            if event is not None and device.type == "cuda":
+                source.computed = caches.event(int(desc["pid"]), str(event), device)
+        except BaseException:
+            source.close()
+            raise
+        return source
+
+    def close(self) -> None:
+        self.caches.release(self.desc, self.device)
 
 
 class IpcConnector(TcpConnector):
