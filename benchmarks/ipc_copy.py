@@ -1,7 +1,7 @@
-"""The `ipc` connector's data path alone: a receiver process maps a sender process's KV
-cache (`kvtransfer.ipc`) and copies a request's blocks out of it into its own cache with
-one kernel per copy, gather and scatter in one, with no control path around it. The
-ceiling `benchmarks/transfer.py --connector ipc` is measured against.
+"""The `ipc` connector's data path alone: a sender process maps a receiver process's KV
+cache and its write guard (`kvtransfer.ipc`) and writes a request's blocks into it with
+one guarded kernel per copy, gather and scatter in one, with no control path around it.
+The ceiling `benchmarks/transfer.py --connector ipc` is measured against.
 
     python benchmarks/ipc_copy.py                 # sender on GPU 0, receiver on GPU 1
     python benchmarks/ipc_copy.py --device cpu    # shared memory
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from tandem.kernels.block_copy import copy_blocks
-from tandem.kvtransfer.ipc import SharedCaches, export
+from tandem.kvtransfer.ipc import SharedCaches, WriteGuard, export
 
 QUEUE_TIMEOUT_S = 300
 
@@ -38,46 +38,50 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def sender_main(args: argparse.Namespace, num_blocks: int, to_receiver: Any,
-                done: Any) -> None:
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    rows = _rows(args, num_blocks, 1, str(device))
-    _sync(device)
-    to_receiver.put(export(rows))
-    done.wait(QUEUE_TIMEOUT_S)  # keep the cache alive while the receiver reads it
+def _ids(num_blocks: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return torch.randperm(num_blocks, generator=g)[:n], torch.randperm(num_blocks, generator=g)[:n]
 
 
-def receiver_main(args: argparse.Namespace, num_blocks: int, n: int, from_sender: Any,
-                  done: Any, results: Any) -> None:
+def receiver_main(args: argparse.Namespace, num_blocks: int, n: int, to_sender: Any,
+                  done: Any) -> None:
     device = torch.device("cpu")
     if args.device == "cuda":
         device = torch.device("cuda", 1 if torch.cuda.device_count() > 1 else 0)
         torch.cuda.set_device(device)
     dst = torch.zeros(_shape(args, num_blocks), dtype=torch.bfloat16, device=device)
-    g = torch.Generator().manual_seed(2)
-    src_ids = torch.randperm(num_blocks, generator=g)[:n].to(device)
-    dst_ids = torch.randperm(num_blocks, generator=g)[:n].to(device)
+    guard = WriteGuard(num_blocks, device)
+    ticket = guard.open(_ids(num_blocks, n)[1].to(device))
+    to_sender.put((export(dst), guard.desc, ticket))
+    done.wait(QUEUE_TIMEOUT_S)  # keep the cache alive while the sender writes it
+
+
+def sender_main(args: argparse.Namespace, num_blocks: int, n: int, from_receiver: Any,
+                results: Any) -> None:
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    src = _rows(args, num_blocks, 1, str(device))
+    src_ids, dst_ids = (ids.to(device) for ids in _ids(num_blocks, n))
     caches = SharedCaches()
-    desc = from_sender.get(timeout=QUEUE_TIMEOUT_S)
+    cache_desc, tags_desc, ticket = from_receiver.get(timeout=QUEUE_TIMEOUT_S)
     t0 = time.perf_counter()
-    src = caches.open(desc, device)
+    dst, tags = caches.open(cache_desc, device), caches.open(tags_desc, device)
     map_s = time.perf_counter() - t0
     times = []
     for i in range(args.warmup + args.iters):
         _sync(device)
         t0 = time.perf_counter()
-        copy_blocks(src, src_ids, dst, dst_ids)
+        copy_blocks(src, src_ids, dst, dst_ids, (tags, ticket))
         _sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    expect = _rows(args, num_blocks, 1, "cpu")[:, src_ids.cpu()]
-    exact = torch.equal(dst[:, dst_ids].cpu(), expect)
-    caches.release(desc, device)
+    exact = torch.equal(dst[:, dst_ids].cpu(), src[:, src_ids].cpu())
+    untouched = not dst.cpu().index_fill_(1, dst_ids.cpu(), 0).any()
+    for desc in (cache_desc, tags_desc):
+        caches.release(desc, device)
     caches.close()
-    results.put({"map_s": map_s, "copy_s": times, "exact": exact})
-    done.set()
+    results.put({"map_s": map_s, "copy_s": times, "exact": exact and untouched})
 
 
 def main() -> None:
@@ -98,10 +102,9 @@ def main() -> None:
     num_blocks = 2 * n
     nbytes = 2 * args.layers * n * args.block_size * args.kv_heads * args.head_dim * 2
     ctx = mp.get_context("spawn")
-    to_receiver, results, done = ctx.Queue(), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=sender_main, args=(args, num_blocks, to_receiver, done)),
-             ctx.Process(target=receiver_main,
-                         args=(args, num_blocks, n, to_receiver, done, results))]
+    to_sender, results, done = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=receiver_main, args=(args, num_blocks, n, to_sender, done)),
+             ctx.Process(target=sender_main, args=(args, num_blocks, n, to_sender, results))]
     for proc in procs:
         proc.start()
     try:
@@ -114,9 +117,10 @@ def main() -> None:
                 proc.kill()
     copy_s = statistics.median(r["copy_s"])
     print(f"{args.layers} layers x {n} blocks, bf16, {nbytes / 1e6:.1f} MB; "
-          f"mapping the sender's cache {r['map_s'] * 1e3:.2f} ms (once per sender)")
-    print(f"copy (gather + move + scatter, one kernel): {nbytes / copy_s / 1e9:.1f} GB/s "
-          f"median ({copy_s * 1e3:.3f} ms incl. launch), bit-exact: {r['exact']}")
+          f"mapping the receiver's cache {r['map_s'] * 1e3:.2f} ms (once per receiver)")
+    print(f"guarded write (gather + move + scatter, one kernel): "
+          f"{nbytes / copy_s / 1e9:.1f} GB/s median ({copy_s * 1e3:.3f} ms incl. launch), "
+          f"exact and nothing else written: {r['exact']}")
 
 
 if __name__ == "__main__":

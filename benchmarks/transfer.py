@@ -3,7 +3,8 @@
 Default: Llama-3-8B shapes (32 layers, 8 kv heads, head dim 128, bf16, block 16) for a
 2,048-token prompt: 128 blocks, 268 MB. The sender process gathers the blocks (random
 source ids), sends them, and the receiver process's TransferAgent scatters them into
-random sink ids, as in serving. Two modes:
+random sink ids, as in serving (ipc: the sender writes them straight into the sink's
+blocks, one kernel). Two modes:
 
 - default: every layer is computed before the push starts (KVPush `all_computed`, as
   `push()` sends a finished prefill or cached blocks): the bandwidth figure;
@@ -17,7 +18,7 @@ Reported per iteration:
   receiver, gather and scatter included; GB/s = bytes / data time (GB = 1e9 bytes). The
   begin/accept handshake before it is a fixed per-request round trip that a prefill
   overlaps with computing its first layer. ipc with every layer computed up front
-  starts copying at begin, so its data window is its wall time;
+  writes them all in start(), before its begin, so its data window is its wall time;
 - wall: from the sender's start() (connect + begin/accept) to the sink being ready;
 - tail: from the last layer handed to send_layer() to the sink being ready, what
   layer-wise pushing leaves on the critical path after the prefill's last layer.
@@ -191,8 +192,8 @@ def sender_main(args: argparse.Namespace, n: int, sinks: Any, results: Any, stop
                     ring=args.ring, message_bytes=int(args.message_mb * 2**20),
                     all_computed=not args.layer_ms) as p:
             p.start()
-            # A direct connector told of every layer at begin copies from then on: its
-            # data window is the whole wall time, connect included.
+            # A direct connector with every layer computed writes them all in start(),
+            # first thing: its data window is the whole wall time.
             t_first = t_start if connector.direct and not args.layer_ms else time.monotonic()
             t_last = t_first
             for layer in range(layout.num_layers):

@@ -7,6 +7,10 @@ of `src` goes to row r of `dst`:
 
     dst[r, dst_ids[i]] = src[r, src_ids[i]]        for every r and i (ids None: i itself)
 
+With a `guard` (tags, ticket), block i is written only if tags[dst_ids[i]] == ticket when
+it is copied: the check a process makes before writing into another process's cache,
+whose owner clears a block's tag before it reuses the block (`kvtransfer/ipc.py`).
+
 A block is E contiguous elements, so on CUDA this is a plain vectorized copy (Triton);
 torch's index_select/index_copy_ reach a fraction of the memory bandwidth on these
 shapes and keep every SM busy while the NCCL kernels wait for one. The torch reference
@@ -46,10 +50,24 @@ def _check(src: torch.Tensor, src_ids: torch.Tensor | None,
     return counts.pop()
 
 
+Guard = tuple[torch.Tensor, int]  # (int32 tags per destination block, ticket)
+
+
 def copy_blocks_reference(src: torch.Tensor, src_ids: torch.Tensor | None,
-                          dst: torch.Tensor, dst_ids: torch.Tensor | None) -> None:
+                          dst: torch.Tensor, dst_ids: torch.Tensor | None,
+                          guard: Guard | None = None) -> None:
     """torch ops, with no temporary where it can be helped: on CPU a fresh temporary of
-    a request's blocks costs its page faults, several times the copy itself."""
+    a request's blocks costs its page faults, several times the copy itself. A guard is
+    checked block by block, just before each block is written."""
+    if guard is not None:
+        tags, ticket = guard
+        n = dst.shape[1] if dst_ids is None else dst_ids.numel()
+        s_ids = range(n) if src_ids is None else src_ids.tolist()
+        d_ids = range(n) if dst_ids is None else dst_ids.tolist()
+        for s, d in zip(s_ids, d_ids):
+            if int(tags[d]) == ticket:
+                dst[:, d].copy_(src[:, s])
+        return
     if src_ids is None:
         if dst_ids is None:
             dst.copy_(src)
@@ -69,15 +87,16 @@ def copy_blocks_reference(src: torch.Tensor, src_ids: torch.Tensor | None,
 
 def copy_blocks(src: torch.Tensor, src_ids: torch.Tensor | None,
                 dst: torch.Tensor, dst_ids: torch.Tensor | None,
-                *, use_triton: bool | None = None) -> None:
+                guard: Guard | None = None, *, use_triton: bool | None = None) -> None:
     """`dst[:, dst_ids] = src[:, src_ids]` on `[R, blocks, E]` views (ids: int64 on the
-    same device, None for 0..n-1), enqueued on the current stream. dst_ids must be
-    distinct. `use_triton` None: Triton on CUDA when it is installed."""
+    same device, None for 0..n-1), enqueued on the current stream; with a `guard`, only
+    the blocks whose tag holds its ticket. dst_ids must be distinct. `use_triton` None:
+    Triton on CUDA when it is installed."""
     n = _check(src, src_ids, dst, dst_ids)
     if use_triton is None:
         use_triton = triton is not None and src.is_cuda
     if not use_triton:
-        copy_blocks_reference(src, src_ids, dst, dst_ids)
+        copy_blocks_reference(src, src_ids, dst, dst_ids, guard)
         return
     if triton is None:
         raise RuntimeError("Triton is not installed")
@@ -86,21 +105,24 @@ def copy_blocks(src: torch.Tensor, src_ids: torch.Tensor | None,
         return
     tile = min(_TILE, triton.next_power_of_2(elems))
     grid = (n, rows, triton.cdiv(elems, tile))
+    tags, ticket = guard if guard is not None else (dst, 0)
     _copy_blocks_kernel[grid](
         src, dst,
         src_ids if src_ids is not None else src, dst_ids if dst_ids is not None else dst,
+        tags, ticket,
         src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
         elems, TILE=tile, SRC_IDS=src_ids is not None, DST_IDS=dst_ids is not None,
-        num_warps=4,
+        GUARD=guard is not None, num_warps=4,
     )
 
 
 if triton is not None:
 
     @triton.jit
-    def _copy_blocks_kernel(src, dst, src_ids, dst_ids,
+    def _copy_blocks_kernel(src, dst, src_ids, dst_ids, tags, ticket,
                             src_row, src_block, dst_row, dst_block, elems,
-                            TILE: tl.constexpr, SRC_IDS: tl.constexpr, DST_IDS: tl.constexpr):
+                            TILE: tl.constexpr, SRC_IDS: tl.constexpr, DST_IDS: tl.constexpr,
+                            GUARD: tl.constexpr):
         # program (i, r, t): tile t of block i of row r. Offsets in int64: a cache is
         # often more than 2**31 elements.
         i = tl.program_id(0).to(tl.int64)
@@ -109,6 +131,9 @@ if triton is not None:
         s = tl.load(src_ids + i).to(tl.int64) if SRC_IDS else i
         d = tl.load(dst_ids + i).to(tl.int64) if DST_IDS else i
         offs = t * TILE + tl.arange(0, TILE)
+        if GUARD:  # read now, not cached: the owner may have cleared it since the launch
+            tag = tl.load(tags + d, volatile=True)
+            elems = tl.where(tag == ticket, elems, 0)
         mask = offs < elems
         x = tl.load(src + r * src_row + s * src_block + offs, mask=mask)
         tl.store(dst + r * dst_row + d * dst_block + offs, x, mask=mask)

@@ -2,17 +2,18 @@
 
 Protocol, per request, on one sender connection (kinds below):
 
-    sender -> begin {request_id, layout, num_blocks[, source[, computed]]}
+    sender -> begin {request_id, layout, num_blocks[, writer[, written]]}
                                                        receiver checks the layout
     sender <- accept | abort {reason, error}           no data moves before accept
     sender -> layer {request_id, layer[, layers]} + payload
                                     layers `layer`.. `layer+layers-1` (default 1), stacked
                                     when more than one; scattered as they land; ready
                                     after the last
-                                    with a `source` (the ipc connector: the sender's
-                                    cache, block ids and event), no payload: the layers
-                                    are computed, and the receiver copies them itself;
-                                    none if begin said all were (`computed`)
+                                    with a `writer` (the ipc connector: the sender's pid
+                                    and CUDA event), no payload: the sender has written
+                                    the layers into the sink itself, and the event
+                                    completes once they are in place; none if begin said
+                                    all were (`written`)
     sender -> end                                       "that was all"
     sender <- done | abort {reason}
     sender -> abort {reason}                            at any time: the sender gave up
@@ -25,6 +26,10 @@ error, when the sender's connection ends before ready (at disconnect, not at the
 or on `close()`. The TTL runs from `reserve` to ready; a ready sink has none and waits
 for `release` or `abort` (the caller's request owns it by then). Failed and released
 reservations stay visible to `status` for `keep_s`; a retry may reserve the same id again.
+
+With the ipc connector a sender writes before this side has heard of it: the sink's
+SinkInfo carries a `target` (this cache and its write guard, with the sink's ticket), and
+the blocks of a failed sink are closed to writes (`ipc.WriteGuard`) before they are freed.
 
 Locks: `_lock` guards the table; a sink's `write_lock` is held while a layer is
 scattered into its blocks, and failing a sink takes it first, so blocks are never freed
@@ -51,7 +56,7 @@ from tandem.kvtransfer.connector import (
     payload_spec,
     poll_until,
 )
-from tandem.kvtransfer.ipc import Source
+from tandem.kvtransfer.ipc import WriteGuard
 from tandem.kvtransfer.layout import KVLayout, LayoutMismatch
 from tandem.kvtransfer.staging import KVRows, StagingPool
 
@@ -73,6 +78,7 @@ class SinkInfo:
     block_ids: tuple[int, ...]
     layout: dict[str, Any]
     expires_at: float  # time.time(): the one clock both hosts share
+    target: dict[str, Any] | None = None  # ipc: where the sender writes (`ipc.Target`)
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "block_ids": list(self.block_ids)}
@@ -117,7 +123,9 @@ class _Sink:
     # CUDA: recorded after the latest scatter, which the stream may not have run yet (the
     # connector hands over payloads still landing); its blocks are not freed before it.
     landed: torch.cuda.Event | None = None
-    source: Source | None = None  # ipc: where the blocks are read from
+    ticket: int = 0  # ipc: the blocks may be written while their tags hold it
+    direct: bool = False  # ipc: the sender writes the blocks itself
+    written: torch.cuda.Event | None = None  # ipc, CUDA: the sender's, after its writes
 
 
 class TransferAgent:
@@ -148,6 +156,15 @@ class TransferAgent:
         self._buffers = StagingPool()
         # CUDA: scatters run here, off the receiving and the engine's streams.
         self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+        self._guard: WriteGuard | None = None  # ipc: which sink may write which block
+        self._target: dict[str, Any] | None = None
+        if getattr(connector, "direct", False):
+            if self._rows.rows is None:
+                raise ValueError(f"the {connector.name} connector writes into the KV cache "
+                                 f"as one tensor; these layers are separate tensors")
+            self._guard = WriteGuard(self._num_blocks, self._device)
+            self._target = {"cache": connector.export(self._rows.rows),
+                            "tags": self._guard.desc, "layout": layout.to_dict()}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._receiver = connector.receiver(host, self._alloc, self._on_frame, self._on_error)
@@ -176,8 +193,13 @@ class TransferAgent:
                 raise ValueError(f"blocks {sorted(taken)} are already reserved")
             self._owned.update(ids)
             deadline = time.monotonic() + ttl_s
-            self._sinks[request_id] = _Sink(request_id, ids, index, ttl_s, deadline)
-        return SinkInfo(request_id, self.address, ids, self.layout.to_dict(), time.time() + ttl_s)
+            sink = self._sinks[request_id] = _Sink(request_id, ids, index, ttl_s, deadline)
+        target = None
+        if self._guard is not None:  # before the SinkInfo leaves: a sender may write at once
+            sink.ticket = self._guard.open(index)
+            target = {**self._target, "ticket": sink.ticket}
+        return SinkInfo(request_id, self.address, ids, self.layout.to_dict(),
+                        time.time() + ttl_s, target)
 
     def _get(self, request_id: str) -> _Sink | None:
         with self._lock:
@@ -263,24 +285,22 @@ class TransferAgent:
                 raise TransferError(
                     f"sender has {header['num_blocks']} blocks, sink {len(sink.block_ids)}"
                 )
-            source = (None if "source" not in header
-                      else self._open_source(header["source"], len(sink.block_ids)))
+            written = None if "writer" not in header else self._writer(header["writer"])
         except TransferError as exc:
             self._fail(sink, str(exc), notify=True, peer=peer, error=_code(exc))
             return
         with self._lock:
             accepted = sink.state is State.RESERVED  # not expired or aborted meanwhile
             if accepted:
-                sink.state, sink.peer, sink.source = State.RECEIVING, peer, source
-        if not accepted and source is not None:
-            source.close()
+                sink.state, sink.peer = State.RECEIVING, peer
+                sink.direct, sink.written = "writer" in header, written
         if accepted:
             self._reply(peer, Frame({"kind": ACCEPT, "request_id": rid}))
         else:
             self._reply(peer, _abort(rid, f"reservation {_describe(sink)}"))
-        if accepted and source is not None and "computed" in header:
-            # ipc, every layer computed already: copy them all now, no layer frame follows.
-            self._on_layer({"request_id": rid, "layer": 0, "layers": header["computed"]},
+        if accepted and "written" in header:
+            # ipc, every layer written already: no layer frame follows.
+            self._on_layer({"request_id": rid, "layer": 0, "layers": header["written"]},
                            None, peer)
 
     def _on_layer(self, header: dict[str, Any], payload: torch.Tensor | None, peer: str) -> None:
@@ -301,33 +321,30 @@ class TransferAgent:
                 error = f"bad layer index {layer!r} (x{count!r})"
             elif dup := sink.layers.intersection(layers):
                 error = f"layers {sorted(dup)} sent twice"
-            elif sink.source is not None and payload is not None:
+            elif sink.direct and payload is not None:
                 error = f"layer {layer}: an ipc transfer's layers carry no payload"
-            elif sink.source is None and (payload is None or (
+            elif not sink.direct and (payload is None or (
                 payload.shape, payload.dtype, payload.device
             ) != (want, self.layout.torch_dtype, self._device)):
                 error = f"layer {layer} payload is not {want} {self.layout.dtype}"
             else:
-                if payload is None:
-                    landed = self._pull(sink, layer, count)
-                else:
+                landed = sink.written  # ipc: the sender's event, after its writes
+                if payload is not None:
                     staged = payload.view(count, *self._layer_shape(sink))
-                    landed = self._scatter(sink, layer, staged, payload)
+                    landed = sink.landed = self._scatter(sink, layer, staged, payload)
                 last = len(sink.layers) + count == self.layout.num_layers
-                if landed is not None:
-                    sink.landed = landed
-                    # Ready means the bytes are in place: wait, bounded by the TTL, for
-                    # the last scatter; a stuck one ends the connection.
-                    if last and not poll_until(sink.landed.query, sink.deadline):
-                        raise TransferError(f"layer {layers[-1]} did not land before the TTL")
+                # Ready means the bytes are in place: wait, bounded by the TTL, for the
+                # last scatter or write; a stuck one ends the connection.
+                if last and landed is not None and not poll_until(landed.query, sink.deadline):
+                    raise TransferError(f"layer {layers[-1]} did not land before the TTL")
+                if last and sink.direct:  # written: no more writes, the caller's next
+                    assert self._guard is not None
+                    self._guard.close(sink.index)
                 with self._lock:
                     sink.layers.update(layers)
                     ready = last
                     if ready:
                         sink.state = State.READY
-                if ready and sink.source is not None:  # every copy out of it has run
-                    sink.source.close()
-                    sink.source = None
         if error is not None:
             self._fail(sink, error, notify=True)
         elif ready:
@@ -355,29 +372,19 @@ class TransferAgent:
         self._buffers.give(payload, landed)
         return landed
 
-    def _pull(self, sink: _Sink, first: int, count: int) -> torch.cuda.Event | None:
-        """ipc: copy layers first .. first + count - 1 of the sink's blocks straight out of
-        the sender's cache, in one kernel; on CUDA, on the agent's stream, once the
-        sender's event says they are computed, returning the event after the copy."""
-        source = sink.source
-        assert source is not None
-        rows = source.rows[2 * first:2 * (first + count)]
-        if self._stream is None:
-            self._rows.copy_in(first, rows, source.index, sink.index)
-            return None
-        with torch.cuda.stream(self._stream):
-            if source.computed is not None:
-                self._stream.wait_event(source.computed)
-            self._rows.copy_in(first, rows, source.index, sink.index)
-        landed = torch.cuda.Event()
-        landed.record(self._stream)
-        return landed
-
-    def _open_source(self, desc: Any, num_blocks: int) -> Source:
-        if not getattr(self._connector, "direct", False):
-            raise TransferError(f"the sender reads through ipc, this receiver through "
+    def _writer(self, writer: Any) -> torch.cuda.Event | None:
+        """The event an ipc sender records after its writes (None on CPU, where they are
+        done before it says so); raises TransferError if this side takes no writes."""
+        if self._guard is None:
+            raise TransferError(f"the sender writes through ipc, this receiver takes "
                                 f"{self._connector.name}")
-        return Source.open(self._connector.mapped, desc, self.layout, num_blocks, self._device)
+        try:
+            pid, handle = int(writer["pid"]), writer.get("event")
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise TransferError(f"bad ipc writer: {exc!r}") from exc
+        if handle is None or self._device.type != "cuda":
+            return None
+        return self._connector.mapped.event(pid, str(handle), self._device)
 
     def _on_end(self, header: dict[str, Any], _: torch.Tensor | None, peer: str) -> None:
         rid = header["request_id"]
@@ -423,15 +430,17 @@ class TransferAgent:
             with self._lock:
                 if self._sinks.get(sink.request_id) is not sink or sink.state not in from_states:
                     return False
+                writable = sink.state in _LIVE and self._guard is not None
                 sink.state, sink.reason, sink.ended_at = State.FAILED, reason, time.monotonic()
                 peer = peer or sink.peer
+        if writable:  # ipc: a sender may be writing, or about to: close the blocks first
+            assert self._guard is not None
+            self._guard.close(sink.index)
+            time.sleep(WriteGuard.SETTLE_S)
         sink.done.set()
         log.info("KV transfer %s failed: %s", sink.request_id, reason)
         grace = time.monotonic() + _LANDING_GRACE_S
         if sink.landed is None or poll_until(sink.landed.query, grace):
-            if sink.source is not None:
-                sink.source.close()
-                sink.source = None
             with self._lock:
                 self._owned.difference_update(sink.block_ids)
             try:

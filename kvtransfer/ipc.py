@@ -1,31 +1,37 @@
 """The ipc connector: KV between two processes on one host, with no staging buffer and no
-link protocol in the way. The receiving agent maps the sender's KV cache into its own
-process and copies the sink's blocks straight out of it, any run of layers in one
-kernel (`kernels/block_copy.py`): the gather, the move and the scatter are one copy.
+link protocol in the way. The receiving agent exports its KV cache once; a sink's
+SinkInfo names it (`target`), and the sender writes the sink's blocks straight into it,
+any run of layers in one kernel (`kernels/block_copy.py`) enqueued on its own stream
+right after the layers are computed: the gather, the move and the scatter are one copy,
+and no round trip comes before it.
 
-- CUDA: the sender's cache is exported as a CUDA IPC memory handle and mapped into the
-  receiver's device context, so the copy reads it over NVLink (or PCIe) by peer access.
-  Before copying a run of layers the receiver's stream waits for a CUDA IPC event that
-  the sender records after computing them, so layer i can be read while i+1 computes.
-- CPU: the sender's cache moves into shared memory (once, in place) and the receiver
+- CUDA: the receiver's cache is exported as a CUDA IPC memory handle and mapped into the
+  sender's device context, so the copy writes it over NVLink (or PCIe) by peer access.
+  The sender records a CUDA IPC event after each copy and says so in a control frame;
+  the receiver marks the sink ready once the event after the last layer has completed.
+- CPU: the receiver's cache moves into shared memory (once, in place) and the sender
   maps it through `/proc/<pid>/fd`.
 
-Control frames (begin, the layers announced, the replies) ride on the tcp connector; a
-layer frame carries no payload. Writes into the sink's blocks are the receiver's own
-copies on its own stream, so the agent's guarantees (nothing freed while still being
-written) hold unchanged; the sender's blocks are only ever read.
+A sender may write into a sink before the receiver has heard of it, so the receiver
+guards its blocks (`WriteGuard`): each block carries the ticket of the sink that owns it,
+the copy writes a block only while its tag holds the sink's ticket, and a failed sink's
+tags are cleared before its blocks go back to the pool. A push that comes after its sink
+expired or was aborted writes nothing.
 
-Needs both processes on one host (checked: the kernel's boot id) and in one PID
-namespace; on CUDA, each process must see the other's GPU (CUDA_VISIBLE_DEVICES) and the
-two GPUs must allow peer access. A mapping lives until its exporter is gone and no
-transfer reads it, or the connector closes.
+Control frames (begin, the layers written, the replies) ride on the tcp connector; a
+layer frame carries no payload. Needs both processes on one host (checked: the kernel's
+boot id) and in one PID namespace; on CUDA, each process must see the other's GPU
+(CUDA_VISIBLE_DEVICES) and the two GPUs must allow peer access. A mapping lives until
+its exporter is gone and no transfer writes it, or the connector closes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import os
+import random
 import socket
 import threading
 import time
@@ -35,6 +41,7 @@ from typing import Any
 
 import torch
 
+from tandem.kernels.block_copy import copy_blocks
 from tandem.kvtransfer.connector import TransferError, dtype_from_name, dtype_name
 from tandem.kvtransfer.layout import KVLayout
 from tandem.kvtransfer.tcp import TcpConnector
@@ -237,7 +244,7 @@ class SharedCaches:
             shape, stride = tuple(desc["shape"]), tuple(desc["stride"])
             offset, size, kind = int(desc["offset"]), int(desc["size"]), desc["device"]
             if desc["host"] != host_id():
-                raise TransferError("the sender is on another host; ipc moves KV only "
+                raise TransferError("the peer is on another host; ipc moves KV only "
                                     "between processes of one host (use tcp, ucx or nccl)")
             if kind != device.type:
                 raise TransferError(f"the sender's cache is on {kind}, this one on {device}")
@@ -332,56 +339,108 @@ class SharedCaches:
                 pass  # the context is going away with the process
 
 
+class WriteGuard:
+    """The receiver's half of the write check: one int32 tag per block of its cache, the
+    ticket of the sink that a sender may write into that block now, 0 for none. A
+    sender's copy checks each block's tag just before writing it (`copy_blocks` with a
+    guard), so a push that comes late, after its sink expired or was aborted, writes
+    nothing. `close` clears a sink's tags; a copy that read a tag just before that may
+    still be writing that block's last tile, so the blocks go back to the pool only
+    `SETTLE_S` later."""
+
+    SETTLE_S = 0.02  # a tile is 8 KiB: written within microseconds of its check
+
+    def __init__(self, num_blocks: int, device: torch.device) -> None:
+        self.tags = torch.zeros(num_blocks, dtype=torch.int32, device=device)
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.desc = export(self.tags)
+        self._next = itertools.count(random.randrange(1, 2**30))
+
+    def open(self, index: torch.Tensor) -> int:
+        """Let the sink of blocks `index` be written: its new ticket, set when this returns."""
+        ticket = next(self._next) % (2**31 - 1) + 1
+        self._set(index, ticket)
+        return ticket
+
+    def close(self, index: torch.Tensor) -> None:
+        """No more writes into blocks `index` start once this returns."""
+        self._set(index, 0)
+
+    def _set(self, index: torch.Tensor, value: int) -> None:
+        if self._stream is None:
+            self.tags.index_fill_(0, index, value)
+            return
+        with torch.cuda.stream(self._stream):
+            self.tags.index_fill_(0, index, value)
+        self._stream.synchronize()
+
+
 @dataclass(eq=False)
-class Source:
-    """What a receiving agent reads one transfer's blocks from: the sender's cache as
-    mapped here, its block ids in sink order, and (CUDA) the event the sender records
-    after the layers it announces. `close` once no copy out of it is left to run."""
+class Target:
+    """Where a sender writes one sink's blocks: the receiver's cache and tags as mapped
+    here, the sink's block ids on this device and its ticket. `close` once no write into
+    it is left to run."""
 
     caches: SharedCaches
-    desc: dict[str, Any]  # as the sender exported it
+    descs: list[dict[str, Any]]  # the mappings this holds, as the receiver exported them
     device: torch.device
-    rows: torch.Tensor  # the sender's cache as [2L, N, E]
-    index: torch.Tensor | None = None  # the sender's block ids, on `device`
-    computed: torch.cuda.Event | None = None
+    rows: torch.Tensor | None = None  # the receiver's cache as [2L, N, E]
+    tags: torch.Tensor | None = None
+    index: torch.Tensor | None = None
+    ticket: int = 0
 
     @classmethod
-    def open(cls, caches: SharedCaches, desc: Any, layout: KVLayout, num_blocks: int,
-             device: torch.device) -> Source:
-        """Map the cache a begin's `source` names; raises TransferError if it can't be
-        read from here or does not hold `num_blocks` blocks of `layout`."""
+    def open(cls, caches: SharedCaches, target: Any, layout: KVLayout,
+             block_ids: tuple[int, ...], device: torch.device) -> Target:
+        """Map the cache a sink's `target` names (SinkInfo.target); raises TransferError
+        if it can't be written from here or does not hold `layout`'s blocks, and
+        LayoutMismatch if the receiver's layout is not `layout`."""
         try:
-            ids = [int(b) for b in desc["block_ids"]]
-            event = desc.get("event")
+            cache, tags, ticket = target["cache"], target["tags"], int(target["ticket"])
+            receiver_layout = KVLayout.from_dict(target["layout"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise TransferError(f"bad ipc source: {exc!r}") from exc
-        source = cls(caches, desc, device, caches.open(desc, device))
+            raise TransferError(f"bad ipc target: {exc!r}") from exc
+        receiver_layout.check(layout, "on the receiver", "on the sender")
+        out = cls(caches, [], device, ticket=ticket)
         try:
-            rows = source.rows
+            out.rows, out.tags = out._map(cache), out._map(tags)
+            rows, tags_view = out.rows, out.tags
             rows_e = (2 * layout.num_layers,  # K and V rows; elements per block:
                       layout.block_bytes // (2 * layout.torch_dtype.itemsize))
             if (rows.dim() != 3 or (rows.shape[0], rows.shape[2]) != rows_e
-                    or rows.dtype != layout.torch_dtype or rows.stride(2) != 1):
-                raise TransferError(f"the sender's cache {tuple(rows.shape)} {rows.dtype} "
+                    or rows.dtype != layout.torch_dtype or rows.stride(2) != 1
+                    or tuple(tags_view.shape) != (rows.shape[1],)
+                    or tags_view.dtype != torch.int32):
+                raise TransferError(f"the receiver's cache {tuple(rows.shape)} {rows.dtype} "
                                     f"does not hold this layout's blocks")
-            if (len(ids) != num_blocks or len(ids) != len(set(ids))
-                    or not all(0 <= b < rows.shape[1] for b in ids)):
-                raise TransferError(f"sender block ids out of range, repeated or not "
-                                    f"{num_blocks}: {ids}")
-            source.index = torch.tensor(ids, dtype=torch.long, device=device)
-            if event is not None and device.type == "cuda":
-                source.computed = caches.event(int(desc["pid"]), str(event), device)
+            if not all(0 <= b < rows.shape[1] for b in block_ids):
+                raise TransferError(f"sink block ids out of range: {list(block_ids)}")
+            out.index = torch.tensor(block_ids, dtype=torch.long, device=device)
         except BaseException:
-            source.close()
+            out.close()
             raise
-        return source
+        return out
+
+    def _map(self, desc: dict[str, Any]) -> torch.Tensor:
+        view = self.caches.open(desc, self.device)
+        self.descs.append(desc)
+        return view
+
+    def write(self, src: torch.Tensor, src_index: torch.Tensor, first: int, count: int) -> None:
+        """Layers first .. first + count - 1 of blocks `src_index` of `src` (this side's
+        cache as [2L, N, E]) into the sink, enqueued on the current stream."""
+        assert self.rows is not None and self.tags is not None
+        rows = slice(2 * first, 2 * (first + count))
+        copy_blocks(src[rows], src_index, self.rows[rows], self.index, (self.tags, self.ticket))
 
     def close(self) -> None:
-        self.caches.release(self.desc, self.device)
+        for desc in self.descs:
+            self.caches.release(desc, self.device)
+        self.descs = []
 
 
 class IpcConnector(TcpConnector):
-    """tcp for the control frames; the KV is read by the receiver from the sender's cache."""
+    """tcp for the control frames; the sender writes the KV into the receiver's cache."""
 
     name = "ipc"
     direct = True
@@ -402,10 +461,9 @@ class IpcConnector(TcpConnector):
             return self._exports[key]
 
     def event(self, device: torch.device) -> SharedEvent:
-        """An event for one push to mark its computed layers with; back with `give_event`
-        once the push is over. Reusing one is safe: a receiver's wait is on the record
-        current when it enqueued the wait, and a push is over only when its receiver
-        is done (or failed)."""
+        """An event for one push to mark its writes with; back with `give_event` once the
+        push is over: its receiver has seen the last write complete, or the push failed
+        (and its receiver no longer looks at the event)."""
         with self._lock:
             for i, shared in enumerate(self._events):
                 if shared.device == device:

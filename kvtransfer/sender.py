@@ -19,12 +19,12 @@ a fixed plan of `message_bytes` each, and every header announces the next messag
 header (`next`; `begin` announces the first), so a connector that must post a receive
 before the bytes come (nccl) posts it while the previous message is still on the link.
 
-With a direct connector (ipc) no KV goes through this side at all: `begin` names the
-cache, its blocks and a CUDA IPC event, each layer message is a header sent after the
-event is recorded, and the receiver copies the blocks out of this cache itself; with
-`all_computed`, `begin` says every layer is computed and no layer message follows. The
-blocks must stay unchanged until `finish` returns (it waits for the receiver to be done
-with them).
+With a direct connector (ipc) no KV goes through the link at all: this side writes the
+blocks straight into the receiver's cache (the sink's `target`), one kernel per message
+enqueued on the current stream right after the layers' compute, records a CUDA IPC event
+after it, and tells the receiver (`begin` names the event; a layer message is a header
+only). With `all_computed` every layer is written before `begin` goes out, so no round
+trip comes before the copy, and no layer message follows.
 
 Every failure raises TransferError (LayoutMismatch for a layout mismatch) within a
 bounded time; leaving the `with` block on an exception aborts the transfer, so the
@@ -33,6 +33,7 @@ receiver frees the sink at once rather than at its TTL.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from types import TracebackType
@@ -51,6 +52,7 @@ from tandem.kvtransfer.agent import (
     SinkInfo,
 )
 from tandem.kvtransfer.connector import Connector, Frame, Sender, SendHandle, TransferError
+from tandem.kvtransfer.ipc import Target
 from tandem.kvtransfer.layout import KVLayout, LayoutMismatch
 from tandem.kvtransfer.staging import KVRows
 
@@ -88,9 +90,10 @@ class KVPush:
         if self._direct and self._rows.rows is None:
             raise ValueError(f"the {connector.name} connector reads the KV cache as one "
                              f"tensor; these layers are separate tensors")
-        # direct, CUDA: recorded after each message's layers are computed
-        self._computed = (connector.event(device)
-                          if self._direct and device.type == "cuda" else None)
+        # direct, CUDA: recorded after each write into the sink
+        self._written = (connector.event(device)
+                         if self._direct and device.type == "cuda" else None)
+        self._target: Target | None = None  # direct: the sink, mapped here
         self._connect_timeout, self._send_timeout = connect_timeout, send_timeout
         self._reply_timeout = reply_timeout
         self._sender: Sender | None = None
@@ -106,17 +109,22 @@ class KVPush:
         self._first, self._count = 0, 0
         # all_computed: message i carries layers plan[i], announced one message ahead.
         n, per = layout.num_layers, self._per_message
-        if self._direct:  # no staging: the receiver copies all layers at once
+        if self._direct:  # no staging: every layer is written at once
             self._ring, per = [], n
         self._plan = [(f, min(per, n - f)) for f in range(0, n, per)] if all_computed else []
         self._sent_messages = 0
 
     def start(self) -> None:
-        """Connect and open the transfer; returns once the receiver accepted it."""
+        """Connect and open the transfer; returns once the receiver accepted it. Direct,
+        with every layer computed: writes them all first."""
         try:
             sink_layout = KVLayout.from_dict(self.sink.layout)
             self.layout.check(sink_layout, "on the sender", "on the receiver")
-        except LayoutMismatch as exc:
+            if self._direct:
+                self._target = self._open_target()
+                if self._plan:
+                    self._write(0, self.layout.num_layers)
+        except TransferError as exc:  # LayoutMismatch too
             self.abort(str(exc))
             raise
         try:
@@ -127,10 +135,10 @@ class KVPush:
         begin = {"kind": BEGIN, "layout": self.layout.to_dict(),
                  "num_blocks": len(self.sink.block_ids)}
         if self._direct:
-            begin["source"] = self._source()
-            if self._plan:  # all computed: the receiver may copy as soon as it accepts
-                self._record_computed()
-                begin["computed"] = self.layout.num_layers
+            begin["writer"] = {"pid": os.getpid(),
+                               "event": self._written.handle if self._written else None}
+            if self._plan:
+                begin["written"] = self.layout.num_layers
         self._send(self._announcing(begin, 0))
         for slot in range(len(self._ring)):  # staging memory ready before the first layer
             self._buffer(slot)
@@ -197,9 +205,13 @@ class KVPush:
         """`reuse`: the transfer ended cleanly (done), so the connection may serve the
         next one; any other close ends it, which the receiver sees at once."""
         self._closed = True
-        if self._computed is not None:
-            self._connector.give_event(self._computed)
-            self._computed = None
+        if self._written is not None:
+            self._written.event.synchronize()  # our writes, before their mapping goes
+            self._connector.give_event(self._written)
+            self._written = None
+        if self._target is not None:
+            self._target.close()
+            self._target = None
         if self._sender is not None:
             if reuse:
                 self._sender.release()
@@ -236,13 +248,20 @@ class KVPush:
             self.close()
             raise
 
-    def _source(self) -> dict[str, Any]:
-        """What a direct receiver reads from: this cache, the blocks, the event."""
-        source = {**self._connector.export(self._rows.rows),
-                  "block_ids": self._src_ids}
-        if self._computed is not None:
-            source["event"] = self._computed.handle
-        return source
+    def _open_target(self) -> Target:
+        if self.sink.target is None:
+            raise TransferError(f"the sink at {self.sink.address} takes no {self._connector.name}"
+                                f" writes: its receiver's connector is not {self._connector.name}")
+        return Target.open(self._connector.mapped, self.sink.target, self.layout,
+                           self.sink.block_ids, self._src.device)
+
+    def _write(self, first: int, count: int) -> None:
+        """Direct: layers first .. first + count - 1 into the sink, after the work enqueued
+        so far on the current stream (their compute); on CUDA, the event after it."""
+        assert self._target is not None and self._rows.rows is not None
+        self._target.write(self._rows.rows, self._src, first, count)
+        if self._written is not None:
+            self._written.event.record(torch.cuda.current_stream(self._src.device))
 
     def _buffer(self, slot: int) -> torch.Tensor:
         # [per_message, 2, n, bs, H, D]
@@ -262,7 +281,7 @@ class KVPush:
         if not self._count:
             return
         if self._direct:
-            self._announce_computed()
+            self._write_layers()
             return
         self._settle(self._slot)
         staged = self._buffer(self._slot)[:self._count]
@@ -280,22 +299,18 @@ class KVPush:
             raise
         self._slot = (self._slot + 1) % len(self._ring)
 
-    def _announce_computed(self) -> None:
-        """Direct: the collected layers are computed (on CUDA: once the work enqueued so
-        far on the current stream has run, which the event marks); tell the receiver,
-        unless `begin` already said that every layer was."""
+    def _write_layers(self) -> None:
+        """Direct: write the collected layers and tell the receiver, unless `begin`
+        already said that every layer was written."""
         header = {"kind": LAYER, "layer": self._first}
         if self._count > 1:
             header["layers"] = self._count
+        first, count = self._first, self._count
         self._count = 0
         self._sent_messages += 1
         if not self._plan:
-            self._record_computed()
+            self._write(first, count)
             self._send(header)
-
-    def _record_computed(self) -> None:
-        if self._computed is not None:
-            self._computed.event.record(torch.cuda.current_stream(self._src.device))
 
     def _layer_header(self, first: int, count: int) -> dict[str, Any]:
         """A layer message's header as it travels (dtype and shape included)."""

@@ -35,6 +35,15 @@ def compare_kernel_with_reference(device: str) -> None:
             copy_blocks_reference(s, s_ids, ref, d_ids)
             copy_blocks(s, s_ids, d, d_ids, use_triton=True)
             assert torch.equal(d, ref), (dtype, elems, s_ids, d_ids)
+        # Guarded: only the blocks whose tag holds the ticket are written.
+        tags = torch.zeros(20, dtype=torch.int32, device=device)
+        tags[other[[0, 2, 4]]], tags[other[1]] = 7, 8
+        ref, d = torch.zeros_like(src), torch.zeros_like(src)
+        copy_blocks_reference(src, ids, ref, other, (tags, 7))
+        copy_blocks(src, ids, d, other, (tags, 7), use_triton=True)
+        assert torch.equal(d, ref), (dtype, elems, "guarded")
+        assert torch.equal(ref[:, other[[0, 2, 4]]], src[:, ids[[0, 2, 4]]])
+        assert not ref[:, other[[1, 3]]].any()
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

@@ -1,11 +1,13 @@
-"""The ipc connector: the receiving agent maps the sender's KV cache (shared memory on
-CPU, CUDA IPC on GPU) and copies the sink's blocks out of it itself. Round trips in one
-process and across processes, layer by layer, the checks that refuse what it can't read,
-and the mapping's lifetime. Its failure cases run in test_kv_transfer_failures.py, with
-tcp's; the CUDA tests at the end need a GPU (two for the cross-GPU one)."""
+"""The ipc connector: the sender maps the receiving agent's KV cache (shared memory on
+CPU, CUDA IPC on GPU) and writes the sink's blocks into it itself. Round trips in one
+process and across processes, layer by layer, the checks that refuse what it can't
+write, the write guard that stops a late push, and the mapping's lifetime. Its failure
+cases run in test_kv_transfer_failures.py, with tcp's; the CUDA tests at the end need a
+GPU (two for the cross-GPU one)."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 from typing import Any
 
@@ -98,10 +100,6 @@ def _cross_process(sender_device: str, receiver_device: str, slow: bool) -> None
             src = [c * 2 for c in src]
         assert_blocks_equal(dst, sink_ids, src, src_ids)
         assert_unchanged_except(before, dst, sink_ids)
-        # The sender is gone and nothing reads its cache any more: it is unmapped.
-        assert len(connector.mapped) == 1
-        connector.mapped.prune()
-        assert len(connector.mapped) == 0
     finally:
         agent.close()
         connector.close()
@@ -131,10 +129,55 @@ def test_each_layer_is_copied_as_it_is_announced() -> None:
         connector.close()
 
 
-def _forged_begin(source_changes: dict[str, Any], num_src_blocks: int = 16) -> str:
-    """Open a transfer by hand with an ipc source altered by `source_changes`: the abort
-    reason the agent replies with. The sink is freed and the destination unchanged."""
-    src, dst = make_caches(num_src_blocks, seed=1), make_caches(16, seed=2)
+def receive_in_another_process(result: Any, go: Any) -> None:
+    """Subprocess body (spawn): an agent that hands out one sink, checks what lands."""
+    try:
+        dst = make_caches(16, seed=2)
+        connector = IpcConnector()
+        agent = TransferAgent(dst, KVLayout.of(dst, MODEL), connector, lambda ids: None)
+        result.put(agent.reserve("r", [6, 1], ttl_s=60).to_dict())
+        ok = agent.wait_ready("r", timeout=60)
+        assert_blocks_equal(dst, [6, 1], make_caches(16, seed=1), [2, 3])
+        result.put("ok" if ok else f"not ready: {agent.status('r')}")
+        go.wait(60)  # until the test has looked at its mapping of this cache
+        agent.close()
+        connector.close()
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        result.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_a_mapping_lives_until_its_receiver_is_gone() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    result, go = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=receive_in_another_process, args=(result, go))
+    proc.start()
+    connector = IpcConnector()
+    try:
+        src = make_caches(16, seed=1)
+        sink = SinkInfo.from_dict(result.get(timeout=120))
+        push(connector, sink, src, [2, 3], KVLayout.of(src, MODEL))
+        assert result.get(timeout=60) == "ok"
+        assert len(connector.mapped) == 2  # its cache and its tags, kept for the next push
+        connector.mapped.prune()
+        assert len(connector.mapped) == 2  # still alive
+        go.set()
+        proc.join(timeout=30)
+        assert proc.exitcode == 0
+        connector.mapped.prune()
+        assert len(connector.mapped) == 0
+    finally:
+        go.set()
+        if proc.is_alive():
+            proc.kill()
+        connector.close()
+
+
+def _forged_target(changes: dict[str, Any], sink_ids: list[int] | None = None,
+                   cache: dict[str, Any] | None = None) -> str:
+    """Push into a sink whose target (`changes`, and `cache`: changes to the cache's
+    description) or block ids were altered: the error the sender raises. The sink is
+    freed at once and the destination unchanged."""
+    src, dst = make_caches(16, seed=1), make_caches(16, seed=2)
     before = clone(dst)
     layout = KVLayout.of(dst, MODEL)
     connector = IpcConnector()
@@ -143,37 +186,64 @@ def _forged_begin(source_changes: dict[str, Any], num_src_blocks: int = 16) -> s
     try:
         ids = blocks.allocate(2)
         sink = agent.reserve("r", ids, ttl_s=30)
-        sender = connector.sender(sink.address)
-        rows = torch.stack(src).flatten(-3).flatten(0, 1)  # [2L, N, E], as KVRows sees it
-        source = {**connector.export(rows), "block_ids": [0, 1], **source_changes}
-        sender.send(Frame({"kind": "begin", "request_id": "r", "layout": layout.to_dict(),
-                           "num_blocks": 2, "source": source}))
-        reply = sender.poll(timeout=5)
-        sender.close()
-        assert reply is not None and reply.header["kind"] == "abort"
+        assert sink.target is not None
+        target = {**sink.target, **changes}
+        target["cache"] = {**target["cache"], **(cache or {})}
+        forged = dataclasses.replace(sink, target=target,
+                                     block_ids=tuple(sink_ids or sink.block_ids))
+        with pytest.raises(TransferError) as raised:
+            push(connector, forged, src, [0, 1][:len(forged.block_ids)], layout)
         assert wait_until(lambda: blocks.num_free == 16) and blocks.frees == [ids]
         assert agent.status("r").state is State.FAILED
         assert_unchanged_except(before, dst, [])
-        return reply.header["reason"]
+        return str(raised.value)
     finally:
         agent.close()
         connector.close()
 
 
-def test_a_sender_on_another_host_is_refused_before_any_copy() -> None:
-    reason = _forged_begin({"host": "another-boot-id"})
-    assert "the sender is on another host" in reason
+def test_a_receiver_on_another_host_is_refused_before_any_write() -> None:
+    assert "the peer is on another host" in _forged_target({}, cache={"host": "another-boot"})
 
 
-@pytest.mark.parametrize("ids", [[2, 4], [1, 1], [0, 1, 2]], ids=["outside", "twice", "extra"])
-def test_sender_block_ids_that_do_not_fit_are_refused(ids: list[int]) -> None:
-    reason = _forged_begin({"block_ids": ids}, num_src_blocks=4)
-    assert f"sender block ids out of range, repeated or not 2: {ids}" in reason
+def test_sink_block_ids_out_of_range_are_refused() -> None:
+    assert "sink block ids out of range: [3, 16]" in _forged_target({}, sink_ids=[3, 16])
 
 
 def test_a_cache_that_does_not_hold_the_layout_is_refused() -> None:
-    reason = _forged_begin({"shape": [4, 16, 128]})
+    reason = _forged_target({}, cache={"shape": [4, 16, 128]})
     assert "does not hold this layout's blocks" in reason
+
+
+def test_a_target_of_another_layout_is_refused() -> None:
+    other = make_caches(16, seed=1, head_dim=4, heads=4)  # same bytes per block
+    reason = _forged_target({"layout": KVLayout.of(other, MODEL).to_dict()})
+    assert "num_kv_heads: 4 on the receiver vs 2 on the sender" in reason
+
+
+def test_a_late_push_writes_nothing() -> None:
+    """The write guard: a push after its sink expired, into blocks reserved again for
+    another request, changes none of them; the new owner's push still lands."""
+    src, dst = make_caches(16, seed=1), make_caches(16, seed=2)
+    layout = KVLayout.of(dst, MODEL)
+    connector = IpcConnector()
+    blocks = PoolBlocks(16)
+    agent = TransferAgent(dst, layout, connector, blocks.free)
+    try:
+        ids = blocks.allocate(2)
+        stale = agent.reserve("old", ids, ttl_s=0.2)
+        assert wait_until(lambda: blocks.num_free == 16)
+        fresh = agent.reserve("new", ids, ttl_s=30)  # the same blocks, a new owner
+        before = clone(dst)
+        with pytest.raises(TransferError, match="no open reservation for 'old'"):
+            push(connector, stale, src, [0, 1], layout)
+        assert_unchanged_except(before, dst, [])
+        push(connector, fresh, src, [4, 5], layout)
+        assert agent.wait_ready("new", timeout=5)
+        assert_blocks_equal(dst, ids, src, [4, 5])
+    finally:
+        agent.close()
+        connector.close()
 
 
 def test_a_receiver_without_ipc_refuses_an_ipc_sender() -> None:
@@ -184,8 +254,31 @@ def test_a_receiver_without_ipc_refuses_an_ipc_sender() -> None:
     connector = IpcConnector()
     try:
         sink = agent.reserve("r", blocks.allocate(2), ttl_s=30)
-        with pytest.raises(TransferError, match="reads through ipc, this receiver through tcp"):
+        with pytest.raises(TransferError, match="takes no ipc writes: its receiver's "
+                                                "connector is not ipc"):
             push(connector, sink, src, [0, 1], layout)
+        assert wait_until(lambda: blocks.num_free == 16)
+    finally:
+        agent.close()
+        connector.close()
+
+
+def test_a_tcp_receiver_refuses_ipc_writes() -> None:
+    """An ipc sender's begin reaching a receiver that takes no writes is refused."""
+    dst = make_caches(16, seed=2)
+    layout = KVLayout.of(dst, MODEL)
+    blocks = PoolBlocks(16)
+    agent = TransferAgent(dst, layout, TcpConnector(), blocks.free)
+    connector = TcpConnector()
+    try:
+        sink = agent.reserve("r", blocks.allocate(2), ttl_s=30)
+        sender = connector.sender(sink.address)
+        sender.send(Frame({"kind": "begin", "request_id": "r", "layout": layout.to_dict(),
+                           "num_blocks": 2, "writer": {"pid": 1, "event": None}}))
+        reply = sender.poll(timeout=5)
+        sender.close()
+        assert reply is not None and reply.header["kind"] == "abort"
+        assert "the sender writes through ipc, this receiver takes tcp" in reply.header["reason"]
         assert wait_until(lambda: blocks.num_free == 16)
     finally:
         agent.close()
@@ -199,19 +292,10 @@ def test_separately_allocated_layers_are_refused_by_the_sender() -> None:
         KVPush(IpcConnector(), sink, src, [0], KVLayout.of(src, MODEL))
 
 
-def test_a_receiver_reads_separately_allocated_layers() -> None:
-    src = make_caches(16, seed=1)
+def test_separately_allocated_layers_are_refused_by_the_receiver() -> None:
     dst = make_caches(16, seed=2, one_tensor=False)
-    layout = KVLayout.of(dst, MODEL)
-    connector = IpcConnector()
-    agent = TransferAgent(dst, layout, connector, lambda ids: None)
-    try:
-        push(connector, agent.reserve("r", [3, 8], ttl_s=30), src, [1, 0], layout)
-        assert agent.wait_ready("r", timeout=5)
-        assert_blocks_equal(dst, [3, 8], src, [1, 0])
-    finally:
-        agent.close()
-        connector.close()
+    with pytest.raises(ValueError, match="writes into the KV cache as one tensor"):
+        TransferAgent(dst, KVLayout.of(dst, MODEL), IpcConnector(), lambda ids: None)
 
 
 @needs_cuda
