@@ -118,7 +118,7 @@ def copy_blocks(src: torch.Tensor, src_ids: torch.Tensor | None,
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["ticket"])  # one compiled kernel for every ticket
     def _copy_blocks_kernel(src, dst, src_ids, dst_ids, tags, ticket,
                             src_row, src_block, dst_row, dst_block, elems,
                             TILE: tl.constexpr, SRC_IDS: tl.constexpr, DST_IDS: tl.constexpr,

@@ -337,9 +337,9 @@ class TransferAgent:
                 # last scatter or write; a stuck one ends the connection.
                 if last and landed is not None and not poll_until(landed.query, sink.deadline):
                     raise TransferError(f"layer {layers[-1]} did not land before the TTL")
-                if last and sink.direct:  # written: no more writes, the caller's next
+                if last and sink.direct:  # the sender is done: close them to any other
                     assert self._guard is not None
-                    self._guard.close(sink.index)
+                    self._guard.close(sink.index, wait=False)
                 with self._lock:
                     sink.layers.update(layers)
                     ready = last

@@ -362,17 +362,19 @@ class WriteGuard:
         self._set(index, ticket)
         return ticket
 
-    def close(self, index: torch.Tensor) -> None:
-        """No more writes into blocks `index` start once this returns."""
-        self._set(index, 0)
+    def close(self, index: torch.Tensor, wait: bool = True) -> None:
+        """No more writes into blocks `index` start once this returns (`wait`), or very
+        soon after (not `wait`: for a sink whose writer is known to be done)."""
+        self._set(index, 0, wait)
 
-    def _set(self, index: torch.Tensor, value: int) -> None:
+    def _set(self, index: torch.Tensor, value: int, wait: bool = True) -> None:
         if self._stream is None:
             self.tags.index_fill_(0, index, value)
             return
         with torch.cuda.stream(self._stream):
             self.tags.index_fill_(0, index, value)
-        self._stream.synchronize()
+        if wait:
+            self._stream.synchronize()
 
 
 @dataclass(eq=False)
