@@ -5,6 +5,7 @@ Protocol, per request, on one sender connection (kinds below):
     sender -> begin {request_id, layout, num_blocks[, writer[, written]]}
                                                        receiver checks the layout
     sender <- accept | abort {reason, error}           no data moves before accept
+                                                       (ipc: writes may, guarded)
     sender -> layer {request_id, layer[, layers]} + payload
                                     layers `layer`.. `layer+layers-1` (default 1), stacked
                                     when more than one; scattered as they land; ready
@@ -194,10 +195,14 @@ class TransferAgent:
             self._owned.update(ids)
             deadline = time.monotonic() + ttl_s
             sink = self._sinks[request_id] = _Sink(request_id, ids, index, ttl_s, deadline)
+            sink.write_lock.acquire()  # an expiry now waits until the tags are open
         target = None
-        if self._guard is not None:  # before the SinkInfo leaves: a sender may write at once
-            sink.ticket = self._guard.open(index)
-            target = {**self._target, "ticket": sink.ticket}
+        try:
+            if self._guard is not None:  # before the SinkInfo leaves: a sender may write now
+                sink.ticket = self._guard.open(index)
+                target = {**self._target, "ticket": sink.ticket}
+        finally:
+            sink.write_lock.release()
         return SinkInfo(request_id, self.address, ids, self.layout.to_dict(),
                         time.time() + ttl_s, target)
 
