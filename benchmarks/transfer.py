@@ -184,11 +184,12 @@ def sender_main(args: argparse.Namespace, n: int, sinks: Any, results: Any, stop
     layout = KVLayout.of(caches, MODEL)
     ids = _block_ids(num_blocks, n, args.seed + 2)
     results.put(("gather_s", _staging_s(caches, ids, scatter=False)))
+    rows = KVRows(caches)  # built once, as a prefill node holds it for its cache
     connector = get_connector(args.connector, **_options(args.opt))
     for i in range(args.warmup + args.iters):
         sink = SinkInfo.from_dict(sinks.get(timeout=QUEUE_TIMEOUT_S))
         t_start = time.monotonic()
-        with KVPush(connector, sink, caches, ids, layout, send_timeout=60, reply_timeout=60,
+        with KVPush(connector, sink, rows, ids, layout, send_timeout=60, reply_timeout=60,
                     ring=args.ring, message_bytes=int(args.message_mb * 2**20),
                     all_computed=not args.layer_ms) as p:
             p.start()

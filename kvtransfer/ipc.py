@@ -35,6 +35,7 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -380,23 +381,21 @@ class WriteGuard:
 @dataclass(eq=False)
 class Target:
     """Where a sender writes one sink's blocks: the receiver's cache and tags as mapped
-    here, the sink's block ids on this device and its ticket. `close` once no write into
-    it is left to run."""
+    here and the sink's ticket. `close` once no write into it is left to run."""
 
     caches: SharedCaches
     descs: list[dict[str, Any]]  # the mappings this holds, as the receiver exported them
     device: torch.device
     rows: torch.Tensor | None = None  # the receiver's cache as [2L, N, E]
     tags: torch.Tensor | None = None
-    index: torch.Tensor | None = None
     ticket: int = 0
 
     @classmethod
     def open(cls, caches: SharedCaches, target: Any, layout: KVLayout,
-             block_ids: tuple[int, ...], device: torch.device) -> Target:
+             block_ids: Sequence[int], device: torch.device) -> Target:
         """Map the cache a sink's `target` names (SinkInfo.target); raises TransferError
-        if it can't be written from here or does not hold `layout`'s blocks, and
-        LayoutMismatch if the receiver's layout is not `layout`."""
+        if it can't be written from here or does not hold `layout`'s blocks `block_ids`,
+        and LayoutMismatch if the receiver's layout is not `layout`."""
         try:
             cache, tags, ticket = target["cache"], target["tags"], int(target["ticket"])
             receiver_layout = KVLayout.from_dict(target["layout"])
@@ -415,9 +414,8 @@ class Target:
                     or tags_view.dtype != torch.int32):
                 raise TransferError(f"the receiver's cache {tuple(rows.shape)} {rows.dtype} "
                                     f"does not hold this layout's blocks")
-            if not all(0 <= b < rows.shape[1] for b in block_ids):
+            if block_ids and (min(block_ids) < 0 or max(block_ids) >= rows.shape[1]):
                 raise TransferError(f"sink block ids out of range: {list(block_ids)}")
-            out.index = torch.tensor(block_ids, dtype=torch.long, device=device)
         except BaseException:
             out.close()
             raise
@@ -428,12 +426,15 @@ class Target:
         self.descs.append(desc)
         return view
 
-    def write(self, src: torch.Tensor, src_index: torch.Tensor, first: int, count: int) -> None:
-        """Layers first .. first + count - 1 of blocks `src_index` of `src` (this side's
-        cache as [2L, N, E]) into the sink, enqueued on the current stream."""
+    def write(self, src: torch.Tensor, ids: torch.Tensor, first: int, count: int) -> None:
+        """Layers first .. first + count - 1 of blocks `ids[0]` of `src` (this side's cache
+        as [2L, N, E]) into the sink's blocks `ids[1]`, enqueued on the current stream."""
         assert self.rows is not None and self.tags is not None
-        rows = slice(2 * first, 2 * (first + count))
-        copy_blocks(src[rows], src_index, self.rows[rows], self.index, (self.tags, self.ticket))
+        src_rows, dst_rows = src, self.rows
+        if count != src.shape[0] // 2:  # a run of layers: views of those rows
+            rows = slice(2 * first, 2 * (first + count))
+            src_rows, dst_rows = src[rows], self.rows[rows]
+        copy_blocks(src_rows, ids[0], dst_rows, ids[1], (self.tags, self.ticket))
 
     def close(self) -> None:
         for desc in self.descs:

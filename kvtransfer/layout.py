@@ -9,7 +9,7 @@ head_dim, fp16 vs bf16, another model), so the whole layout is compared, never s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -65,7 +65,7 @@ class KVLayout:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # flat: no asdict walk
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVLayout:
@@ -78,6 +78,8 @@ class KVLayout:
     def check(self, other: KVLayout, ours: str = "here", theirs: str = "there") -> None:
         """Raise LayoutMismatch naming every field that differs, with both values;
         `ours` and `theirs` say where each value comes from ("on the sender")."""
+        if self == other:
+            return
         diffs = [
             f"{f.name}: {getattr(self, f.name)!r} {ours} vs {getattr(other, f.name)!r} {theirs}"
             for f in fields(self)

@@ -26,6 +26,9 @@ after it, and tells the receiver (`begin` names the event; a layer message is a 
 only). With `all_computed` every layer is written before `begin` goes out, so no round
 trip comes before the copy, and no layer message follows.
 
+`kv_caches` is the per-layer caches, or a `KVRows` over them built once and passed to
+every push (it reads the caches' layout once, not per push).
+
 Every failure raises TransferError (LayoutMismatch for a layout mismatch) within a
 bounded time; leaving the `with` block on an exception aborts the transfer, so the
 receiver frees the sink at once rather than at its TTL.
@@ -54,7 +57,7 @@ from tandem.kvtransfer.agent import (
 from tandem.kvtransfer.connector import Connector, Frame, Sender, SendHandle, TransferError
 from tandem.kvtransfer.ipc import Target
 from tandem.kvtransfer.layout import KVLayout, LayoutMismatch
-from tandem.kvtransfer.staging import KVRows
+from tandem.kvtransfer.staging import KVRows, device_ids
 
 
 class KVPush:
@@ -62,7 +65,7 @@ class KVPush:
         self,
         connector: Connector,
         sink: SinkInfo,
-        kv_caches: Sequence[torch.Tensor],
+        kv_caches: Sequence[torch.Tensor] | KVRows,
         src_block_ids: Sequence[int],
         layout: KVLayout,
         *,
@@ -79,14 +82,17 @@ class KVPush:
             raise ValueError(
                 f"{len(src_block_ids)} source blocks for {len(sink.block_ids)} sink blocks"
             )
-        KVLayout.of(kv_caches, layout.model_id).check(layout)
+        self._rows = kv_caches if isinstance(kv_caches, KVRows) else KVRows(kv_caches)
+        self._rows.check(layout)
         self.sink, self.layout = sink, layout
         self._connector = connector
-        self._rows = KVRows(kv_caches)
-        device = kv_caches[0].device
-        self._src_ids = [int(b) for b in src_block_ids]  # for the host: no device sync
-        self._src = torch.tensor(self._src_ids, dtype=torch.long, device=device)
+        device = self._rows.caches[0].device
         self._direct = getattr(connector, "direct", False)
+        # One copy to the device, not waiting for the compute queued on the stream. Direct:
+        # the sink's ids too, [source; sink], for the kernel that writes into it.
+        ids = (src_block_ids, sink.block_ids) if self._direct else (src_block_ids,)
+        self._ids = device_ids(*ids, device=device)
+        self._src = self._ids[0]
         if self._direct and self._rows.rows is None:
             raise ValueError(f"the {connector.name} connector reads the KV cache as one "
                              f"tensor; these layers are separate tensors")
@@ -259,7 +265,7 @@ class KVPush:
         """Direct: layers first .. first + count - 1 into the sink, after the work enqueued
         so far on the current stream (their compute); on CUDA, the event after it."""
         assert self._target is not None and self._rows.rows is not None
-        self._target.write(self._rows.rows, self._src, first, count)
+        self._target.write(self._rows.rows, self._ids, first, count)
         if self._written is not None:
             self._written.event.record(torch.cuda.current_stream(self._src.device))
 
@@ -394,7 +400,7 @@ class KVPush:
 def push(
     connector: Connector,
     sink: SinkInfo,
-    kv_caches: Sequence[torch.Tensor],
+    kv_caches: Sequence[torch.Tensor] | KVRows,
     src_block_ids: Sequence[int],
     layout: KVLayout,
     **options: Any,

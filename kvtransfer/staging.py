@@ -9,16 +9,33 @@ Staging shapes: one layer `[2, n, bs, H, D]`; a run of k layers `[k, 2, n, bs, H
 
 from __future__ import annotations
 
+import array
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from tandem.kernels.block_copy import copy_blocks
+from tandem.kvtransfer.layout import KVLayout
 
 
 def _index(block_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(block_ids, dtype=torch.long, device=device)
+
+
+def device_ids(*id_lists: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The lists of block ids (of one length) as one `[k, n]` int64 tensor on `device`,
+    in one copy. On CUDA it goes from pinned memory, enqueued on the current stream: the
+    caller neither waits for the work queued there (a prefill's layers) nor for the copy."""
+    if len({len(ids) for ids in id_lists}) > 1:
+        raise ValueError(f"id lists of different lengths: {[len(ids) for ids in id_lists]}")
+    flat = array.array("q", [b for ids in id_lists for b in ids])  # 3x torch.tensor's speed
+    host = (torch.frombuffer(flat, dtype=torch.long) if flat
+            else torch.empty(0, dtype=torch.long)).view(len(id_lists), -1)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -53,6 +70,16 @@ class KVRows:
         self.caches = list(caches)
         stacked = stack_layers(self.caches, 0, len(self.caches))
         self._rows = None if stacked is None else _rows(stacked)
+        self._layout: KVLayout | None = None
+
+    def check(self, layout: KVLayout) -> None:
+        """Raise LayoutMismatch unless these caches hold `layout` (ValueError if they are
+        no KV cache at all); the caches are read once, on the first call."""
+        if self._layout is None:
+            self._layout = KVLayout.of(self.caches, layout.model_id)
+        elif self._layout.model_id != layout.model_id:
+            self._layout = replace(self._layout, model_id=layout.model_id)
+        self._layout.check(layout)
 
     @property
     def rows(self) -> torch.Tensor | None:
