@@ -17,8 +17,8 @@ Reported per iteration:
 - data: from the first send_layer() (the first gather) to the sink being ready on the
   receiver, gather and scatter included; GB/s = bytes / data time (GB = 1e9 bytes). The
   begin/accept handshake before it is a fixed per-request round trip that a prefill
-  overlaps with computing its first layer. ipc with every layer computed up front
-  writes them all in start(), before its begin, so its data window is its wall time;
+  overlaps with computing its first layer (ipc with every layer computed does not wait
+  for the accept: its start() is connecting and mapping the sink);
 - wall: from the sender's start() (connect + begin/accept) to the sink being ready;
 - tail: from the last layer handed to send_layer() to the sink being ready, what
   layer-wise pushing leaves on the critical path after the prefill's last layer.
@@ -193,10 +193,7 @@ def sender_main(args: argparse.Namespace, n: int, sinks: Any, results: Any, stop
                     ring=args.ring, message_bytes=int(args.message_mb * 2**20),
                     all_computed=not args.layer_ms) as p:
             p.start()
-            # A direct connector with every layer computed writes them all in start(),
-            # first thing: its data window is the whole wall time.
-            t_first = t_start if connector.direct and not args.layer_ms else time.monotonic()
-            t_last = t_first
+            t_first = t_last = time.monotonic()
             for layer in range(layout.num_layers):
                 if layer and args.layer_ms:
                     time.sleep(args.layer_ms / 1e3)  # the prefill computing this layer

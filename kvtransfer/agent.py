@@ -2,7 +2,7 @@
 
 Protocol, per request, on one sender connection (kinds below):
 
-    sender -> begin {request_id, layout, num_blocks[, writer[, written]]}
+    sender -> begin {request_id, layout, num_blocks[, writer]}
                                                        receiver checks the layout
     sender <- accept | abort {reason, error}           no data moves before accept
                                                        (ipc: writes may, guarded)
@@ -13,8 +13,7 @@ Protocol, per request, on one sender connection (kinds below):
                                     with a `writer` (the ipc connector: the sender's pid
                                     and CUDA event), no payload: the sender has written
                                     the layers into the sink itself, and the event
-                                    completes once they are in place; none if begin said
-                                    all were (`written`)
+                                    completes once they are in place
     sender -> end                                       "that was all"
     sender <- done | abort {reason}
     sender -> abort {reason}                            at any time: the sender gave up
@@ -303,10 +302,6 @@ class TransferAgent:
             self._reply(peer, Frame({"kind": ACCEPT, "request_id": rid}))
         else:
             self._reply(peer, _abort(rid, f"reservation {_describe(sink)}"))
-        if accepted and "written" in header:
-            # ipc, every layer written already: no layer frame follows.
-            self._on_layer({"request_id": rid, "layer": 0, "layers": header["written"]},
-                           None, peer)
 
     def _on_layer(self, header: dict[str, Any], payload: torch.Tensor | None, peer: str) -> None:
         rid, layer = header["request_id"], header.get("layer")

@@ -349,7 +349,7 @@ class WriteGuard:
     still be writing that block's last tile, so the blocks go back to the pool only
     `SETTLE_S` later."""
 
-    SETTLE_S = 0.02  # a tile is 8 KiB: written within microseconds of its check
+    SETTLE_S = 0.02  # a tile is at most 32 KiB: written within microseconds of its check
 
     def __init__(self, num_blocks: int, device: torch.device) -> None:
         self.tags = torch.zeros(num_blocks, dtype=torch.int32, device=device)

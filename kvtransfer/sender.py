@@ -23,8 +23,9 @@ With a direct connector (ipc) no KV goes through the link at all: this side writ
 blocks straight into the receiver's cache (the sink's `target`), one kernel per message
 enqueued on the current stream right after the layers' compute, records a CUDA IPC event
 after it, and tells the receiver (`begin` names the event; a layer message is a header
-only). With `all_computed` every layer is written before `begin` goes out, so no round
-trip comes before the copy, and no layer message follows.
+only). With `all_computed` it does not wait for the receiver's `accept` either: the
+receiver's write guard decides which blocks a write may touch, so every layer is written,
+in one kernel, as soon as it is handed over, and a refusal is heard by `finish`.
 
 `kv_caches` is the per-layer caches, or a `KVRows` over them built once and passed to
 every push (it reads the caches' layout once, not per push).
@@ -121,15 +122,13 @@ class KVPush:
         self._sent_messages = 0
 
     def start(self) -> None:
-        """Connect and open the transfer; returns once the receiver accepted it. Direct,
-        with every layer computed: writes them all first."""
+        """Connect and open the transfer; returns once the receiver accepted it (direct,
+        with every layer computed: once `begin` went out)."""
         try:
             sink_layout = KVLayout.from_dict(self.sink.layout)
             self.layout.check(sink_layout, "on the sender", "on the receiver")
             if self._direct:
                 self._target = self._open_target()
-                if self._plan:
-                    self._write(0, self.layout.num_layers)
         except TransferError as exc:  # LayoutMismatch too
             self.abort(str(exc))
             raise
@@ -143,12 +142,11 @@ class KVPush:
         if self._direct:
             begin["writer"] = {"pid": os.getpid(),
                                "event": self._written.handle if self._written else None}
-            if self._plan:
-                begin["written"] = self.layout.num_layers
         self._send(self._announcing(begin, 0))
         for slot in range(len(self._ring)):  # staging memory ready before the first layer
             self._buffer(slot)
-        self._await(ACCEPT)
+        if not (self._direct and self._plan):
+            self._await(ACCEPT)
 
     def send_layer(self, layer: int) -> None:
         """Layer `layer`'s KV is computed (on CUDA: enqueued on the current stream); send
@@ -306,17 +304,14 @@ class KVPush:
         self._slot = (self._slot + 1) % len(self._ring)
 
     def _write_layers(self) -> None:
-        """Direct: write the collected layers and tell the receiver, unless `begin`
-        already said that every layer was written."""
+        """Direct: write the collected layers and tell the receiver."""
         header = {"kind": LAYER, "layer": self._first}
         if self._count > 1:
             header["layers"] = self._count
-        first, count = self._first, self._count
+        self._write(self._first, self._count)
         self._count = 0
         self._sent_messages += 1
-        if not self._plan:
-            self._write(first, count)
-            self._send(header)
+        self._send(header)
 
     def _layer_header(self, first: int, count: int) -> dict[str, Any]:
         """A layer message's header as it travels (dtype and shape included)."""
