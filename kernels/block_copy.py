@@ -124,14 +124,19 @@ def copy_blocks(src: torch.Tensor, src_ids: torch.Tensor | None,
 # launched directly after that.
 _compiled: dict[tuple, Any] = {}
 _NUM_WARPS = 4
+# The current CUDA stream as Triton gets it (torch.cuda.current_stream builds an object).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
+                      lambda device: torch.cuda.current_stream(device).cuda_stream)
 
 
-def _spec(arg: Any) -> tuple:
-    """What Triton's compiled code depends on: a pointer's element type and 16-byte
-    alignment; an int's 32- or 64-bit type, being 1, being a multiple of 16."""
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
-    return (-2**31 <= arg < 2**31, arg == 1, arg % 16 == 0)
+def _key(args: tuple, constexprs: tuple) -> tuple:
+    """Everything Triton's compiled code depends on, and more: the pointers' element types
+    and 16-byte alignment, the strides and sizes themselves (fixed for a cache), the
+    ticket's width (it is not specialized on otherwise)."""
+    src, _, src_ids, dst_ids, tags, ticket, *ints = args
+    return (constexprs, src.dtype, src_ids.dtype, tags.dtype,
+            src.data_ptr() & 15, args[1].data_ptr() & 15, src_ids.data_ptr() & 15,
+            dst_ids.data_ptr() & 15, tags.data_ptr() & 15, ticket >= 2**31, *ints)
 
 
 def _hooked() -> bool:
@@ -148,16 +153,16 @@ def _launch(grid: tuple[int, int, int], args: tuple, constexprs: tuple) -> None:
                                   GUARD=guarded, num_warps=_NUM_WARPS)
         return
     device = torch.cuda.current_device()
-    key = (device, constexprs, *map(_spec, args))
+    key = (device, *_key(args, constexprs))
     kernel = _compiled.get(key)
     if kernel is None or _hooked():
         kernel = _copy_blocks_kernel[grid](*args, TILE=tile, SRC_IDS=src_ids, DST_IDS=dst_ids,
                                            GUARD=guarded, num_warps=_NUM_WARPS)
-        if getattr(kernel, "function", None) is not None:
+        if getattr(kernel, "function", None) is not None and len(_compiled) < 256:
             _compiled[key] = kernel
         return
-    kernel.run(*grid, torch.cuda.current_stream(device).cuda_stream, kernel.function,
-               kernel.packed_metadata, None, None, None, *args, *constexprs)
+    kernel.run(*grid, _raw_stream(device), kernel.function, kernel.packed_metadata,
+               None, None, None, *args, *constexprs)
 
 
 if triton is not None:

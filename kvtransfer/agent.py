@@ -29,7 +29,8 @@ reservations stay visible to `status` for `keep_s`; a retry may reserve the same
 
 With the ipc connector a sender writes before this side has heard of it: the sink's
 SinkInfo carries a `target` (this cache and its write guard, with the sink's ticket), and
-the blocks of a failed sink are closed to writes (`ipc.WriteGuard`) before they are freed.
+the blocks of a failed sink are closed to writes (`ipc.WriteGuard`) before they are freed,
+and a ready sink's as `release` hands them over.
 
 Locks: `_lock` guards the table; a sink's `write_lock` is held while a layer is
 scattered into its blocks, and failing a sink takes it first, so blocks are never freed
@@ -229,7 +230,10 @@ class TransferAgent:
                 raise TransferError(f"request {request_id!r} is not ready: {_describe(sink)}")
             sink.state, sink.ended_at = State.RELEASED, time.monotonic()
             self._owned.difference_update(sink.block_ids)
-            return sink.block_ids
+        if sink.direct:  # the sender is done: the blocks are closed to writes as they go
+            assert self._guard is not None  # (queued before any later sink's open)
+            self._guard.close(sink.index, wait=False)
+        return sink.block_ids
 
     def abort(self, request_id: str, reason: str = "abort requested") -> bool:
         """Fail the reservation (ready ones too), free its blocks, tell its sender."""
@@ -337,9 +341,6 @@ class TransferAgent:
                 # last scatter or write; a stuck one ends the connection.
                 if last and landed is not None and not poll_until(landed.query, sink.deadline):
                     raise TransferError(f"layer {layers[-1]} did not land before the TTL")
-                if last and sink.direct:  # the sender is done: close them to any other
-                    assert self._guard is not None
-                    self._guard.close(sink.index, wait=False)
                 with self._lock:
                     sink.layers.update(layers)
                     ready = last
@@ -430,7 +431,9 @@ class TransferAgent:
             with self._lock:
                 if self._sinks.get(sink.request_id) is not sink or sink.state not in from_states:
                     return False
-                writable = sink.state in _LIVE and self._guard is not None
+                # ipc: a live sink's tags are open until it fails, a ready one's until
+                # it is released
+                writable = self._guard is not None and sink.state in (*_LIVE, State.READY)
                 sink.state, sink.reason, sink.ended_at = State.FAILED, reason, time.monotonic()
                 peer = peer or sink.peer
         if writable:  # ipc: a sender may be writing, or about to: close the blocks first

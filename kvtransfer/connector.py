@@ -90,7 +90,7 @@ def payload_spec(header: dict[str, Any]) -> tuple[torch.dtype, tuple[int, ...]]:
 
 def poll_until(done: Callable[[], bool], deadline: float) -> bool:
     """Poll `done()` until it is True (True) or time.monotonic() passes `deadline` (False).
-    Sleeps 5 us doubling to 50 us for the first 10 ms, so the end of a GPU operation of
+    Sleeps 5 us doubling to 20 us for the first 10 ms, so the end of a GPU operation of
     a few hundred microseconds is seen promptly, then up to 1 ms, so a long wait idles."""
     _fine_sleeps()
     start, pause = time.monotonic(), 5e-6
@@ -99,7 +99,7 @@ def poll_until(done: Callable[[], bool], deadline: float) -> bool:
         if now > deadline:
             return False
         time.sleep(pause)
-        pause = min(pause * 2, 5e-5 if now - start < 0.01 else 1e-3)
+        pause = min(pause * 2, 2e-5 if now - start < 0.01 else 1e-3)
     return True
 
 

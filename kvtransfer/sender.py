@@ -120,6 +120,7 @@ class KVPush:
             self._ring, per = [], n
         self._plan = [(f, min(per, n - f)) for f in range(0, n, per)] if all_computed else []
         self._sent_messages = 0
+        self._handed = 0  # all_computed: layers handed to send_layer so far
 
     def start(self) -> None:
         """Connect and open the transfer; returns once the receiver accepted it (direct,
@@ -168,14 +169,20 @@ class KVPush:
             self._flush()
 
     def _send_planned(self, layer: int) -> None:
-        first, count = self._plan[min(self._sent_messages, len(self._plan) - 1)]
-        if layer != first + self._count or self._sent_messages == len(self._plan):
+        """A message goes once its last layer is handed over; direct, at its first: every
+        layer is computed, and the write takes no staging slot."""
+        if layer != self._handed or layer >= self.layout.num_layers:
+            want = (f"expected {self._handed}" if self._handed < self.layout.num_layers
+                    else "every layer was sent")
             raise ValueError(f"with all_computed, layers are sent once each in order; "
-                             f"expected {first + self._count}, got {layer}")
-        self._first = first
-        self._count += 1
-        if self._count == count:
+                             f"{want}, got {layer}")
+        self._handed += 1
+        if self._sent_messages == len(self._plan):
+            return  # direct: the last message went at its first layer
+        first, count = self._plan[self._sent_messages]
+        if layer == (first if self._direct else first + count - 1):
             self._raise_if_aborted()
+            self._first, self._count = first, count
             self._flush()
 
     def finish(self) -> None:

@@ -223,7 +223,8 @@ def test_a_target_of_another_layout_is_refused() -> None:
 
 def test_a_late_push_writes_nothing() -> None:
     """The write guard: a push after its sink expired, into blocks reserved again for
-    another request, changes none of them; the new owner's push still lands."""
+    another request, changes none of them; the new owner's push still lands, and a
+    second push with its SinkInfo after the blocks were released writes nothing."""
     src, dst = make_caches(16, seed=1), make_caches(16, seed=2)
     layout = KVLayout.of(dst, MODEL)
     connector = IpcConnector()
@@ -241,6 +242,11 @@ def test_a_late_push_writes_nothing() -> None:
         push(connector, fresh, src, [4, 5], layout)
         assert agent.wait_ready("new", timeout=5)
         assert_blocks_equal(dst, ids, src, [4, 5])
+        agent.release("new")
+        landed = clone(dst)
+        with pytest.raises(TransferError, match="no open reservation for 'new'"):
+            push(connector, fresh, src, [6, 7], layout)
+        assert_unchanged_except(landed, dst, [])
     finally:
         agent.close()
         connector.close()

@@ -285,6 +285,12 @@ def test_a_planned_push_takes_layers_once_each_in_order() -> None:
             p.start()
             with pytest.raises(ValueError, match="expected 0, got 1"):
                 p.send_layer(1)
+            for layer in range(layout.num_layers):
+                p.send_layer(layer)
+            with pytest.raises(ValueError, match="every layer was sent, got 0"):
+                p.send_layer(0)
+            p.finish()
+        assert agent.wait_ready("r", timeout=5)
     finally:
         agent.close()
 
