@@ -19,6 +19,8 @@ runs everywhere else and is what the Triton kernel is tested against.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,20 +97,30 @@ def copy_blocks(src: torch.Tensor, src_ids: torch.Tensor | None,
     same device, None for 0..n-1), enqueued on the current stream; with a `guard`, only
     the blocks whose tag holds its ticket. dst_ids must be distinct. `use_triton` None:
     Triton on CUDA when it is installed."""
+    plan_copy(src, src_ids, dst, dst_ids, guard, use_triton=use_triton)()
+
+
+def plan_copy(src: torch.Tensor, src_ids: torch.Tensor | None,
+              dst: torch.Tensor, dst_ids: torch.Tensor | None,
+              guard: Guard | None = None, *, use_triton: bool | None = None
+              ) -> Callable[[], None]:
+    """`copy_blocks` checked and set up now; each call of the result enqueues the copy on
+    the then current stream, as cheaply as a launch can be from Python: the copy a KV push
+    starts with is planned before its data is due. The tensors must stay alive and in
+    place (the ids' values and the tags may change)."""
     n = _check(src, src_ids, dst, dst_ids)
     if use_triton is None:
         use_triton = triton is not None and src.is_cuda
     if not use_triton:
-        copy_blocks_reference(src, src_ids, dst, dst_ids, guard)
-        return
+        return functools.partial(copy_blocks_reference, src, src_ids, dst, dst_ids, guard)
     if triton is None:
         raise RuntimeError("Triton is not installed")
     rows, _, elems = src.shape
     if n == 0 or rows == 0:
-        return
+        return lambda: None
     tile = min(_TILE_BYTES // src.element_size(), triton.next_power_of_2(elems))
     tags, ticket = guard if guard is not None else (dst, 0)
-    _launch(
+    return _Launch(
         (n, rows, -(-elems // tile)),
         (src, dst,
          src_ids if src_ids is not None else src, dst_ids if dst_ids is not None else dst,
@@ -118,7 +130,7 @@ def copy_blocks(src: torch.Tensor, src_ids: torch.Tensor | None,
     )
 
 
-# Compiled kernels by what Triton specializes them on (below). Triton's own launch binds
+# Compiled kernels by what Triton specializes them on (`_key`). Triton's own launch binds
 # and specializes every argument in Python on every call, ~3x the cost of the launch
 # itself; a KV push is one launch on the critical path, so a kernel seen once is
 # launched directly after that.
@@ -145,24 +157,36 @@ def _hooked() -> bool:
     return getattr(runtime, "launch_enter_hook", None) is not None
 
 
-def _launch(grid: tuple[int, int, int], args: tuple, constexprs: tuple) -> None:
-    """`_copy_blocks_kernel[grid](*args, *constexprs)` on the current device and stream."""
-    tile, src_ids, dst_ids, guarded = constexprs
-    if not args[0].is_cuda:  # Triton's interpreter, on CPU tensors
-        _copy_blocks_kernel[grid](*args, TILE=tile, SRC_IDS=src_ids, DST_IDS=dst_ids,
-                                  GUARD=guarded, num_warps=_NUM_WARPS)
-        return
-    device = torch.cuda.current_device()
-    key = (device, *_key(args, constexprs))
-    kernel = _compiled.get(key)
-    if kernel is None or _hooked():
-        kernel = _copy_blocks_kernel[grid](*args, TILE=tile, SRC_IDS=src_ids, DST_IDS=dst_ids,
-                                           GUARD=guarded, num_warps=_NUM_WARPS)
-        if getattr(kernel, "function", None) is not None and len(_compiled) < 256:
-            _compiled[key] = kernel
-        return
-    kernel.run(*grid, _raw_stream(device), kernel.function, kernel.packed_metadata,
-               None, None, None, *args, *constexprs)
+class _Launch:
+    """`_copy_blocks_kernel[grid](*args, *constexprs)`, on the current device and stream
+    of each call: through Triton the first time on a device, directly after that."""
+
+    def __init__(self, grid: tuple[int, int, int], args: tuple, constexprs: tuple) -> None:
+        self.grid, self.args, self.constexprs = grid, args, constexprs
+        self.key = _key(args, constexprs) if args[0].is_cuda else None
+        self.kernel, self.device = None, -1
+
+    def __call__(self) -> None:
+        if self.key is None:  # Triton's interpreter, on CPU tensors
+            self._through_triton()
+            return
+        device = torch.cuda.current_device()
+        if device != self.device:
+            self.kernel, self.device = _compiled.get((device, *self.key)), device
+        kernel = self.kernel
+        if kernel is None or _hooked():
+            kernel = self._through_triton()
+            if getattr(kernel, "function", None) is not None and len(_compiled) < 256:
+                _compiled[(device, *self.key)] = self.kernel = kernel
+            return
+        kernel.run(*self.grid, _raw_stream(device), kernel.function, kernel.packed_metadata,
+                   None, None, None, *self.args, *self.constexprs)
+
+    def _through_triton(self) -> Any:
+        tile, src_ids, dst_ids, guarded = self.constexprs
+        return _copy_blocks_kernel[self.grid](*self.args, TILE=tile, SRC_IDS=src_ids,
+                                              DST_IDS=dst_ids, GUARD=guarded,
+                                              num_warps=_NUM_WARPS)
 
 
 if triton is not None:

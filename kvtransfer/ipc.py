@@ -35,14 +35,14 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tandem.kernels.block_copy import copy_blocks
+from tandem.kernels.block_copy import plan_copy
 from tandem.kvtransfer.connector import TransferError, dtype_from_name, dtype_name
 from tandem.kvtransfer.layout import KVLayout
 from tandem.kvtransfer.tcp import TcpConnector
@@ -426,15 +426,17 @@ class Target:
         self.descs.append(desc)
         return view
 
-    def write(self, src: torch.Tensor, ids: torch.Tensor, first: int, count: int) -> None:
+    def plan_write(self, src: torch.Tensor, ids: torch.Tensor, first: int,
+                   count: int) -> Callable[[], None]:
         """Layers first .. first + count - 1 of blocks `ids[0]` of `src` (this side's cache
-        as [2L, N, E]) into the sink's blocks `ids[1]`, enqueued on the current stream."""
+        as [2L, N, E]) into the sink's blocks `ids[1]`: the copy, checked and set up; each
+        call enqueues it on the current stream."""
         assert self.rows is not None and self.tags is not None
         src_rows, dst_rows = src, self.rows
         if count != src.shape[0] // 2:  # a run of layers: views of those rows
             rows = slice(2 * first, 2 * (first + count))
             src_rows, dst_rows = src[rows], self.rows[rows]
-        copy_blocks(src_rows, ids[0], dst_rows, ids[1], (self.tags, self.ticket))
+        return plan_copy(src_rows, ids[0], dst_rows, ids[1], (self.tags, self.ticket))
 
     def close(self) -> None:
         for desc in self.descs:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -101,6 +101,7 @@ class KVPush:
         self._written = (connector.event(device)
                          if self._direct and device.type == "cuda" else None)
         self._target: Target | None = None  # direct: the sink, mapped here
+        self._writes: dict[tuple[int, int], Callable[[], None]] = {}  # planned, by layers
         self._connect_timeout, self._send_timeout = connect_timeout, send_timeout
         self._reply_timeout = reply_timeout
         self._sender: Sender | None = None
@@ -130,6 +131,10 @@ class KVPush:
             self.layout.check(sink_layout, "on the sender", "on the receiver")
             if self._direct:
                 self._target = self._open_target()
+                # Every layer computed: the writes are planned now, launched when due.
+                assert self._rows.rows is not None
+                self._writes = {m: self._target.plan_write(self._rows.rows, self._ids, *m)
+                                for m in self._plan}
         except TransferError as exc:  # LayoutMismatch too
             self.abort(str(exc))
             raise
@@ -181,9 +186,12 @@ class KVPush:
             return  # direct: the last message went at its first layer
         first, count = self._plan[self._sent_messages]
         if layer == (first if self._direct else first + count - 1):
-            self._raise_if_aborted()
+            if not self._direct:  # (a direct write is guarded: it goes first, then the check)
+                self._raise_if_aborted()
             self._first, self._count = first, count
             self._flush()
+            if self._direct:
+                self._raise_if_aborted()
 
     def finish(self) -> None:
         """Close the transfer; returns once the receiver confirmed every layer landed."""
@@ -270,7 +278,10 @@ class KVPush:
         """Direct: layers first .. first + count - 1 into the sink, after the work enqueued
         so far on the current stream (their compute); on CUDA, the event after it."""
         assert self._target is not None and self._rows.rows is not None
-        self._target.write(self._rows.rows, self._ids, first, count)
+        write = self._writes.pop((first, count), None)
+        if write is None:
+            write = self._target.plan_write(self._rows.rows, self._ids, first, count)
+        write()
         if self._written is not None:
             self._written.event.record(torch.cuda.current_stream(self._src.device))
 

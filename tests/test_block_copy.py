@@ -13,7 +13,7 @@ import pytest
 import torch
 from kv_helpers import assert_unchanged_except, clone, make_caches
 
-from tandem.kernels.block_copy import copy_blocks, copy_blocks_reference
+from tandem.kernels.block_copy import copy_blocks, copy_blocks_reference, plan_copy
 from tandem.kvtransfer.staging import KVRows, gather_blocks, stack_layers
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -47,6 +47,16 @@ def compare_kernel_with_reference(device: str) -> None:
             assert torch.equal(d, ref), (dtype, elems, "guarded", ticket)
             assert torch.equal(ref[:, other[written]], src[:, ids[written]])
             assert not ref.index_fill_(1, other[written], 0).any()
+        # Planned once, launched twice: the tags are read at each launch.
+        d = torch.zeros_like(src)
+        copy = plan_copy(src, ids, d, other, (tags, 7), use_triton=True)
+        copy()
+        assert torch.equal(d[:, other[[0, 2, 4]]], src[:, ids[[0, 2, 4]]])
+        d.zero_()
+        tags[other[0]] = 0
+        copy()
+        assert torch.equal(d[:, other[[2, 4]]], src[:, ids[[2, 4]]])
+        assert not d.index_fill_(1, other[[2, 4]], 0).any()
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
