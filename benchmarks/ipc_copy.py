@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from tandem.kernels.block_copy import copy_blocks
-from tandem.kvtransfer.ipc import SharedCaches, WriteGuard, export
+from tandem.kvtransfer.ipc import WriteGuard
+from tandem.kvtransfer.ipc_mapping import SharedCaches, export
 
 QUEUE_TIMEOUT_S = 300
 
