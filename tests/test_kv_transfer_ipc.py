@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -33,6 +34,28 @@ from tandem.kvtransfer.sender import KVPush, push
 from tandem.kvtransfer.tcp import TcpConnector
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@dataclasses.dataclass
+class Dest:
+    """An ipc receiver over a 16-block pool, and a source cache to push from."""
+
+    src: list[torch.Tensor]
+    dst: list[torch.Tensor]
+    layout: KVLayout
+    connector: IpcConnector
+    blocks: PoolBlocks
+    agent: TransferAgent
+
+
+@pytest.fixture
+def dest() -> Iterator[Dest]:
+    src, dst = make_caches(16, seed=1), make_caches(16, seed=2)
+    layout, connector, blocks = KVLayout.of(dst, MODEL), IpcConnector(), PoolBlocks(16)
+    agent = TransferAgent(dst, layout, connector, blocks.free)
+    yield Dest(src, dst, layout, connector, blocks, agent)
+    agent.close()
+    connector.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -109,24 +132,17 @@ def test_round_trip_from_another_process() -> None:
     _cross_process("cpu", "cpu", slow=False)
 
 
-def test_each_layer_is_copied_as_it_is_announced() -> None:
-    src, dst = make_caches(16, seed=1), make_caches(16, seed=2)
-    layout = KVLayout.of(dst, MODEL)
-    connector = IpcConnector()
-    agent = TransferAgent(dst, layout, connector, lambda ids: None)
-    try:
-        sink = agent.reserve("r", [9, 4], ttl_s=30)
-        with KVPush(connector, sink, src, [1, 2], layout) as p:
-            p.start()
-            for layer in range(layout.num_layers):
-                p.send_layer(layer)
-                assert wait_until(lambda n=layer + 1: agent.status("r").layers_received == n)
-                assert_blocks_equal(dst[:layer + 1], [9, 4], src[:layer + 1], [1, 2])
-            p.finish()
-        assert agent.status("r").state is State.READY
-    finally:
-        agent.close()
-        connector.close()
+def test_each_layer_is_copied_as_it_is_announced(dest: Dest) -> None:
+    src, dst, agent = dest.src, dest.dst, dest.agent
+    sink = agent.reserve("r", [9, 4], ttl_s=30)
+    with KVPush(dest.connector, sink, src, [1, 2], dest.layout) as p:
+        p.start()
+        for layer in range(dest.layout.num_layers):
+            p.send_layer(layer)
+            assert wait_until(lambda n=layer + 1: agent.status("r").layers_received == n)
+            assert_blocks_equal(dst[:layer + 1], [9, 4], src[:layer + 1], [1, 2])
+        p.finish()
+    assert agent.status("r").state is State.READY
 
 
 def receive_in_another_process(result: Any, go: Any) -> None:
@@ -172,84 +188,67 @@ def test_a_mapping_lives_until_its_receiver_is_gone() -> None:
         connector.close()
 
 
-def _forged_target(changes: dict[str, Any], sink_ids: list[int] | None = None,
+def _forged_target(dest: Dest, changes: dict[str, Any], sink_ids: list[int] | None = None,
                    cache: dict[str, Any] | None = None) -> str:
     """Push into a sink whose target (`changes`, and `cache`: changes to the cache's
     description) or block ids were altered: the error the sender raises. The sink is
     freed at once and the destination unchanged."""
-    src, dst = make_caches(16, seed=1), make_caches(16, seed=2)
-    before = clone(dst)
-    layout = KVLayout.of(dst, MODEL)
-    connector = IpcConnector()
-    blocks = PoolBlocks(16)
-    agent = TransferAgent(dst, layout, connector, blocks.free)
-    try:
-        ids = blocks.allocate(2)
-        sink = agent.reserve("r", ids, ttl_s=30)
-        assert sink.target is not None
-        target = {**sink.target, **changes}
-        target["cache"] = {**target["cache"], **(cache or {})}
-        forged = dataclasses.replace(sink, target=target,
-                                     block_ids=tuple(sink_ids or sink.block_ids))
-        with pytest.raises(TransferError) as raised:
-            push(connector, forged, src, [0, 1][:len(forged.block_ids)], layout)
-        assert wait_until(lambda: blocks.num_free == 16) and blocks.frees == [ids]
-        assert agent.status("r").state is State.FAILED
-        assert_unchanged_except(before, dst, [])
-        return str(raised.value)
-    finally:
-        agent.close()
-        connector.close()
+    before = clone(dest.dst)
+    ids = dest.blocks.allocate(2)
+    sink = dest.agent.reserve("r", ids, ttl_s=30)
+    assert sink.target is not None
+    target = {**sink.target, **changes}
+    target["cache"] = {**target["cache"], **(cache or {})}
+    forged = dataclasses.replace(sink, target=target, block_ids=tuple(sink_ids or sink.block_ids))
+    with pytest.raises(TransferError) as raised:
+        push(dest.connector, forged, dest.src, [0, 1][:len(forged.block_ids)], dest.layout)
+    assert wait_until(lambda: dest.blocks.num_free == 16) and dest.blocks.frees == [ids]
+    assert dest.agent.status("r").state is State.FAILED
+    assert_unchanged_except(before, dest.dst, [])
+    return str(raised.value)
 
 
-def test_a_receiver_on_another_host_is_refused_before_any_write() -> None:
-    assert "the peer is on another host" in _forged_target({}, cache={"host": "another-boot"})
+def test_a_receiver_on_another_host_is_refused_before_any_write(dest: Dest) -> None:
+    reason = _forged_target(dest, {}, cache={"host": "another-boot"})
+    assert "the peer is on another host" in reason
 
 
-def test_sink_block_ids_out_of_range_are_refused() -> None:
-    assert "sink block ids out of range: [3, 16]" in _forged_target({}, sink_ids=[3, 16])
+def test_sink_block_ids_out_of_range_are_refused(dest: Dest) -> None:
+    assert "sink block ids out of range: [3, 16]" in _forged_target(dest, {}, sink_ids=[3, 16])
 
 
-def test_a_cache_that_does_not_hold_the_layout_is_refused() -> None:
-    reason = _forged_target({}, cache={"shape": [4, 16, 128]})
+def test_a_cache_that_does_not_hold_the_layout_is_refused(dest: Dest) -> None:
+    reason = _forged_target(dest, {}, cache={"shape": [4, 16, 128]})
     assert "does not hold this layout's blocks" in reason
 
 
-def test_a_target_of_another_layout_is_refused() -> None:
+def test_a_target_of_another_layout_is_refused(dest: Dest) -> None:
     other = make_caches(16, seed=1, head_dim=4, heads=4)  # same bytes per block
-    reason = _forged_target({"layout": KVLayout.of(other, MODEL).to_dict()})
+    reason = _forged_target(dest, {"layout": KVLayout.of(other, MODEL).to_dict()})
     assert "num_kv_heads: 4 on the receiver vs 2 on the sender" in reason
 
 
-def test_a_late_push_writes_nothing() -> None:
+def test_a_late_push_writes_nothing(dest: Dest) -> None:
     """The write guard: a push after its sink expired, into blocks reserved again for
     another request, changes none of them; the new owner's push still lands, and a
     second push with its SinkInfo after the blocks were released writes nothing."""
-    src, dst = make_caches(16, seed=1), make_caches(16, seed=2)
-    layout = KVLayout.of(dst, MODEL)
-    connector = IpcConnector()
-    blocks = PoolBlocks(16)
-    agent = TransferAgent(dst, layout, connector, blocks.free)
-    try:
-        ids = blocks.allocate(2)
-        stale = agent.reserve("old", ids, ttl_s=0.2)
-        assert wait_until(lambda: blocks.num_free == 16)
-        fresh = agent.reserve("new", ids, ttl_s=30)  # the same blocks, a new owner
-        before = clone(dst)
-        with pytest.raises(TransferError, match="no open reservation for 'old'"):
-            push(connector, stale, src, [0, 1], layout)
-        assert_unchanged_except(before, dst, [])
-        push(connector, fresh, src, [4, 5], layout)
-        assert agent.wait_ready("new", timeout=5)
-        assert_blocks_equal(dst, ids, src, [4, 5])
-        agent.release("new")
-        landed = clone(dst)
-        with pytest.raises(TransferError, match="no open reservation for 'new'"):
-            push(connector, fresh, src, [6, 7], layout)
-        assert_unchanged_except(landed, dst, [])
-    finally:
-        agent.close()
-        connector.close()
+    src, dst, agent = dest.src, dest.dst, dest.agent
+    ids = dest.blocks.allocate(2)
+    stale = agent.reserve("old", ids, ttl_s=0.2)
+    assert wait_until(lambda: dest.blocks.num_free == 16)
+    fresh = agent.reserve("new", ids, ttl_s=30)  # the same blocks, a new owner
+    before = clone(dst)
+    with pytest.raises(TransferError, match="no open reservation for 'old'"):
+        push(dest.connector, stale, src, [0, 1], dest.layout)
+    assert_unchanged_except(before, dst, [])
+    push(dest.connector, fresh, src, [4, 5], dest.layout)
+    assert agent.wait_ready("new", timeout=5)
+    assert_blocks_equal(dst, ids, src, [4, 5])
+    agent.release("new")
+    landed = clone(dst)
+    with pytest.raises(TransferError, match="no open reservation for 'new'"):
+        push(dest.connector, fresh, src, [6, 7], dest.layout)
+    assert_unchanged_except(landed, dst, [])
 
 
 def test_a_receiver_without_ipc_refuses_an_ipc_sender() -> None:
