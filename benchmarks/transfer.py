@@ -21,7 +21,9 @@ Reported per iteration:
   for the accept: its start() is connecting and mapping the sink);
 - wall: from the sender's start() (connect + begin/accept) to the sink being ready;
 - tail: from the last layer handed to send_layer() to the sink being ready, what
-  layer-wise pushing leaves on the critical path after the prefill's last layer.
+  layer-wise pushing leaves on the critical path after the prefill's last layer (with
+  every layer computed, ipc writes them all at the first layer, so on CPU, where the
+  write is done when it returns, its sink can be ready before the last is handed over).
 
 Both processes stamp time.monotonic(), one system-wide clock on a Linux host.
 
