@@ -1,5 +1,5 @@
 # The README's two commands: `make run` and `make test`.
-.PHONY: setup run test
+.PHONY: setup run test protos
 
 setup:
 	bash scripts/setup.sh
@@ -9,3 +9,6 @@ run: setup
 
 test: setup
 	bash scripts/test.sh
+
+protos: setup
+	.venv/bin/python -m tandem.protos.generate

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -20,7 +20,7 @@ from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampler import Sampler, SamplerOutput
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.scheduler import Scheduler
+from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.tokenizer import IncrementalDetokenizer, find_stop_string
 
 
@@ -70,6 +70,12 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, cache.block_size, Sampler(self.eos_token_ids))
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        # Decode role: requests holding their prompt's blocks, waiting for its KV.
+        self._reserved: dict[str, Request] = {}
+        # Prefill role: called with a request just before the step that completes its
+        # prompt; returns a callback run as each layer's KV is written in that step (a
+        # KV push), or None. Must not raise.
+        self.prefill_hook: Callable[[Request], Callable[[int], None] | None] | None = None
 
     # --- requests -------------------------------------------------------------------
 
@@ -94,12 +100,61 @@ class LLMEngine:
         return Request(request_id, token_ids, params, cache_salt=cache_salt)
 
     def add(self, req: Request) -> None:
+        self._register(req)
+        self.scheduler.add(req)
+
+    def _register(self, req: Request) -> None:
         self._requests[req.request_id] = req
         if self.tokenizer is not None:
             self._detok[req.request_id] = IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens
             )
-        self.scheduler.add(req)
+
+    # --- the decode role: a prompt's KV computed elsewhere ------------------------------
+
+    def reserve(self, req: Request) -> int:
+        """Give `req` the blocks of its whole prompt (a cached prefix is shared, not
+        copied) and hold it, unscheduled, until `start_decode`, `start_prefill` or
+        `release_reserved`; returns how many prompt tokens were cached (their KV is in
+        place; `req.block_ids` past them await theirs). Raises RuntimeError when the
+        blocks are not free."""
+        kv = self.scheduler.kv
+        hits = kv.find_cached_blocks(req)
+        cached = len(hits) * kv.block_size
+        if not kv.allocate(req, req.num_prompt_tokens - cached, hits):
+            raise RuntimeError(
+                f"no room for {req.num_prompt_tokens} prompt tokens: "
+                f"{self.block_pool.num_free_blocks} of {self.block_pool.num_blocks} blocks free"
+            )
+        self._register(req)
+        self._reserved[req.request_id] = req
+        return cached
+
+    def start_decode(self, request_id: str, first_token: int) -> RequestOutput:
+        """The reserved request's prompt KV is in place, and `first_token` was sampled
+        from it: it joins the running batch (or finishes, if that token ends it)."""
+        req = self._reserved.pop(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.scheduler.kv.cache_computed_blocks(req)
+        self.scheduler.add_running(req)
+        return self._append([req], SamplerOutput([first_token], [None]))[0]
+
+    def start_prefill(self, request_id: str) -> None:
+        """Compute the reserved request's prompt here after all (past its cached prefix,
+        in the blocks it holds), then decode it."""
+        self.scheduler.add_running(self._reserved.pop(request_id))
+
+    def release_reserved(self, request_id: str) -> None:
+        """Give back a reserved request's blocks; nothing if it is not reserved."""
+        req = self._reserved.pop(request_id, None)
+        if req is not None:
+            self.scheduler.kv.free(req)
+            del self._requests[request_id]
+            self._detok.pop(request_id, None)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
 
     def add_request(
         self,
@@ -116,6 +171,10 @@ class LLMEngine:
         req = self._requests.get(request_id)
         if req is None:
             return None
+        if request_id in self._reserved:
+            self.release_reserved(request_id)
+            req.status = RequestStatus.FINISHED_ABORTED
+            return RequestOutput.of(req)
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return RequestOutput.of(req)
 
@@ -134,9 +193,25 @@ class LLMEngine:
         if not batch.requests:
             return []
         sampling = batch.sampling_requests()  # before postprocess advances the counts
-        sampled = self.runner.run(batch)
+        sampled = self.runner.run(batch, self._layer_callback(batch))
         self.scheduler.postprocess(batch)
         return self._append(sampling, sampled)
+
+    def _layer_callback(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
+        """The prefill hook's callbacks for the requests whose prompt this step completes."""
+        if self.prefill_hook is None:
+            return None
+        callbacks = [cb for i, req in enumerate(batch.requests)
+                     if batch.samples(i) and req.num_output_tokens == 0
+                     and (cb := self.prefill_hook(req)) is not None]
+        if len(callbacks) < 2:
+            return callbacks[0] if callbacks else None
+
+        def each(layer: int) -> None:
+            for cb in callbacks:
+                cb(layer)
+
+        return each
 
     def _append(self, reqs: list[Request], sampled: SamplerOutput) -> list[RequestOutput]:
         outputs = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tandem.engine.attention import AttentionMetadata
@@ -51,9 +53,12 @@ class ModelRunner:
         self.kv_caches = list(torch.zeros(shape, dtype=p.dtype, device=p.device).unbind(0))
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> SamplerOutput:
+    def run(
+        self, batch: ScheduledBatch, on_layer: Callable[[int], None] | None = None
+    ) -> SamplerOutput:
+        """`on_layer(i)`: called once layer i's KV is written (see LlamaForCausalLM)."""
         input_ids, positions, meta, logits_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, on_layer)
         sampling = batch.sampling_requests()
         if not sampling:
             return SamplerOutput([], [])

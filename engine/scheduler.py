@@ -42,6 +42,13 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def add_running(self, req: Request) -> None:
+        """A request that already holds the blocks of its prompt (a decode node reserved
+        them) joins the running batch; its uncomputed tokens are computed from the next
+        step on."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -4,6 +4,7 @@ qkv bias). Parameter names match Hugging Face so checkpoints load as they are.""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -139,11 +140,16 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # hidden states [T, D]
+        """`on_layer(i)` runs once layer i's KV is written (enqueued, on CUDA): a KV push
+        sends it while the later layers compute."""
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             x = layer(x, rope, kv_cache, meta)
+            if on_layer is not None:
+                on_layer(i)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V]
