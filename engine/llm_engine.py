@@ -70,6 +70,11 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, cache.block_size, Sampler(self.eos_token_ids))
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        # Since start, for the node's metrics: prompt tokens computed here and found in
+        # the prefix cache (counted as requests end), tokens generated.
+        self.num_prompt_tokens_computed = 0
+        self.num_prompt_tokens_cached = 0
+        self.num_generation_tokens = 0
         # Decode role: requests holding their prompt's blocks, waiting for its KV.
         self._reserved: dict[str, Request] = {}
         # Prefill role: called with a request just before the step that completes its
@@ -87,10 +92,20 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> Request:
         """Validate and tokenize; raises ValueError naming the problem. Changes nothing."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        return self.validate_request(request_id, prompt, params, cache_salt)
+
+    def validate_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """`make_request` for an id that may be in use (a reservation's)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = self._tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
@@ -139,10 +154,13 @@ class LLMEngine:
         self.scheduler.add_running(req)
         return self._append([req], SamplerOutput([first_token], [None]))[0]
 
-    def start_prefill(self, request_id: str) -> None:
+    def start_prefill(self, request_id: str) -> bool:
         """Compute the reserved request's prompt here after all (past its cached prefix,
-        in the blocks it holds), then decode it."""
-        self.scheduler.add_running(self._reserved.pop(request_id))
+        in the blocks it holds), then decode it; False if it is not reserved (any more)."""
+        req = self._reserved.pop(request_id, None)
+        if req is not None:
+            self.scheduler.add_running(req)
+        return req is not None
 
     def release_reserved(self, request_id: str) -> None:
         """Give back a reserved request's blocks; nothing if it is not reserved."""
@@ -155,6 +173,11 @@ class LLMEngine:
     @property
     def num_reserved(self) -> int:
         return len(self._reserved)
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Every request not finished: waiting, running, or reserved."""
+        return list(self._requests)
 
     def add_request(
         self,
@@ -193,6 +216,9 @@ class LLMEngine:
         if not batch.requests:
             return []
         sampling = batch.sampling_requests()  # before postprocess advances the counts
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            start = req.num_computed_tokens
+            self.num_prompt_tokens_computed += max(0, min(start + n, req.num_prompt_tokens) - start)
         sampled = self.runner.run(batch, self._layer_callback(batch))
         self.scheduler.postprocess(batch)
         return self._append(sampling, sampled)
@@ -217,6 +243,7 @@ class LLMEngine:
         outputs = []
         for req, token, logprobs in zip(reqs, sampled.token_ids, sampled.logprobs):
             req.output_token_ids.append(token)
+            self.num_generation_tokens += 1
             if logprobs is not None:
                 req.output_logprobs.append(logprobs)
             delta = self._detokenize(req, token)
@@ -267,6 +294,7 @@ class LLMEngine:
         return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.num_prompt_tokens_cached += req.num_cached_tokens
         self.scheduler.finish(req, status)
         del self._requests[req.request_id]
         self._detok.pop(req.request_id, None)

@@ -215,6 +215,12 @@ class TransferAgent:
             s = self._sinks[request_id]
             return TransferStatus(s.state, len(s.layers), s.reason)
 
+    def holds(self, request_id: str) -> bool:
+        """True while `request_id` has a reservation here that is live or ready."""
+        with self._lock:
+            sink = self._sinks.get(request_id)
+            return sink is not None and sink.state in (*_LIVE, State.READY)
+
     def wait_ready(self, request_id: str, timeout: float) -> bool:
         """True once every layer landed; False on failure or timeout. KeyError if unknown."""
         with self._lock:

@@ -157,9 +157,11 @@ class KVPush:
     def send_layer(self, layer: int) -> None:
         """Layer `layer`'s KV is computed (on CUDA: enqueued on the current stream); send
         it. Returns without waiting for the bytes unless every staging slot is still on
-        its way. While an earlier send is still out, consecutive layers stack up into one
-        message (a sender ahead of the link sends fewer, larger ones); once the link is
-        idle they go out at once. Raises once the receiver aborted (a planned push checks
+        its way; once the last layer is handed over, every layer has been read from the
+        cache (on CUDA: the reads are enqueued on the current stream). While an earlier
+        send is still out, consecutive layers stack up into one message (a sender ahead
+        of the link sends fewer, larger ones); once the link is idle they go out at once.
+        Raises once the receiver aborted (a planned push checks
         when a message is due: a poll per layer costs more than the copy of one)."""
         if self._plan:
             self._send_planned(layer)
@@ -170,7 +172,10 @@ class KVPush:
         if not self._count:
             self._first = layer
         self._count += 1
-        if self._count == self._per_message or self._link_idle():
+        # The last layer goes at once: nothing more will stack up with it, and the caller
+        # may reuse the blocks once every layer is handed over and gathered.
+        last = layer == self.layout.num_layers - 1
+        if last or self._count == self._per_message or self._link_idle():
             self._flush()
 
     def _send_planned(self, layer: int) -> None:
