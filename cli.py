@@ -74,7 +74,97 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate)
+
+    node = sub.add_parser(
+        "node", help="run one prefill or decode node (a gRPC server over one engine)",
+        description="Serve the node service (protos/node.proto) over one engine, in the "
+                    "prefill or the decode role, until interrupted.",
+    )
+    node.add_argument("--role", required=True, choices=["prefill", "decode"],
+                      help="prefill: compute prompts and push their KV to decode nodes; "
+                           "decode: receive KV and generate (and prefill short prompts)")
+    node.add_argument("--host", default="127.0.0.1",
+                      help="address the gRPC server listens on (default: %(default)s)")
+    node.add_argument("--port", type=int, default=0,
+                      help="gRPC port; 0 picks a free one, printed at start (default: 0)")
+    node.add_argument("--connector", default="tcp", choices=["tcp", "ucx", "nccl", "ipc"],
+                      help="how KV moves between nodes (default: %(default)s)")
+    node.add_argument("--transfer-host", default="127.0.0.1",
+                      help="address the KV transfer agent listens on, as prefill nodes "
+                           "reach it (default: %(default)s)")
+    _add_engine_args(node)
+    node.set_defaults(func=_node)
+
+    router = sub.add_parser(
+        "router", help="run the OpenAI-compatible router over running nodes",
+        description="Serve the OpenAI API (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health, /metrics) and send each request through the "
+                    "given prefill and decode nodes.",
+    )
+    router.add_argument("--prefill", action="append", metavar="HOST:PORT",
+                        help="a prefill node's gRPC address; repeat for several")
+    router.add_argument("--decode", action="append", metavar="HOST:PORT",
+                        help="a decode node's gRPC address; repeat for several (one at least)")
+    _add_router_args(router)
+    g = router.add_argument_group("model (for the tokenizer and the chat template)")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="the model the nodes serve, as `tandem node --model` names it "
+                        "(default: %(default)s)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "hf", "dummy"],
+                   help="how to read --model (default: %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=8192,
+                   help="context length, for chat's default max_tokens (default: %(default)s)")
+    router.set_defaults(func=_router)
+
+    up = sub.add_parser(
+        "up", help="start a router, a prefill node and a decode node on this machine",
+        description="Start one prefill node and one decode node (child processes) and the "
+                    "router, wait until they are healthy, print the URL, and stop all of "
+                    "them on Ctrl-C.",
+    )
+    up.add_argument("--connector", default="tcp", choices=["tcp", "ucx", "nccl", "ipc"],
+                    help="how KV moves from the prefill to the decode node "
+                         "(default: %(default)s)")
+    _add_router_args(up)
+    _add_engine_args(up)
+    up.set_defaults(func=_up)
     return parser
+
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("router")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address the HTTP API listens on (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000,
+                   help="HTTP port of the API (default: %(default)s)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the --model value)")
+    g.add_argument("--local-prefill-threshold", type=int, default=0,
+                   help="a prompt whose tokens missing from the decode node's cache are "
+                        "fewer than this is prefilled on the decode node, skipping the "
+                        "prefill pool (default: %(default)s, always use the prefill pool)")
+    g.add_argument("--on-transfer-failure", default="recompute",
+                   choices=["recompute", "fail"],
+                   help="when a prefill node or its KV transfer fails: compute the prompt on "
+                        "the decode node, or fail the request (default: %(default)s)")
+
+
+def _router(args: argparse.Namespace) -> int:
+    from tandem.router.main import run_router
+
+    return run_router(args)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from tandem.router.main import run_up
+
+    return run_up(args)
+
+
+def _node(args: argparse.Namespace) -> int:
+    from tandem.node.main import run_node
+
+    return run_node(args)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -87,11 +87,13 @@ class DecodeRole:
             return
         self.loop.listen(rid, listener)
         try:
-            if reserved:  # the prefill pool is skipped, or failed: compute it in its blocks
-                self._forget_request(rid)  # so the sink's end does not free them
+            # The prefill pool is skipped, or failed: compute the prompt here, in its
+            # reserved blocks while it still has them (a failed sink gives them back).
+            self._forget_request(rid)  # so the sink's end does not free them now
+            if reserved:
                 self.agent.abort(rid, "prefilled on the decode node instead")
-                if self.loop.call(lambda e: e.start_prefill(rid)):
-                    return
+            if self.loop.call(lambda e: e.start_prefill(rid)):
+                return
             self.loop.call(lambda e: e.add(req))
         except BaseException:
             self.loop.unlisten(rid)

@@ -115,6 +115,8 @@ class LLMEngine:
         return Request(request_id, token_ids, params, cache_salt=cache_salt)
 
     def add(self, req: Request) -> None:
+        if req.request_id in self._requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
         self._register(req)
         self.scheduler.add(req)
 

@@ -76,8 +76,8 @@ class NodeService(pb_grpc.NodeServicer):
                  ) -> Iterator[pb.GenerateChunk]:
         self._serving(pb.DECODE, context)
         rid = request.request.request_id
-        # A reserved request is in the engine already (the id is taken, rightly).
-        req = self._request(request.request, context, reserved=self.decode.agent.holds(rid))
+        # A reserved request is in the engine already (its id is taken, rightly).
+        req = self._request(request.request, context, reserved=True)
         outputs: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
         first = request.first_token if request.HasField("first_token") else None
         self._guard(context, lambda: self.decode.generate(req, first, outputs.put))
@@ -178,7 +178,7 @@ class NodeService(pb_grpc.NodeServicer):
 
         def make(e: LLMEngine) -> Request:
             params = convert.sampling_from_pb(msg.sampling)
-            made = e.validate_request if reserved else e.make_request
+            made = e.validate_request if reserved else e.make_request  # add() checks the id
             return made(msg.request_id, list(msg.prompt_token_ids), params)
 
         return self._guard(context, lambda: self.loop.call(make))

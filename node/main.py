@@ -1,0 +1,29 @@
+"""`tandem node`: one engine behind the node service, until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from tandem.engine.cli_generate import engine_config
+from tandem.engine.llm_engine import LLMEngine
+from tandem.node.server import NodeService, run_until_stopped, serve
+
+
+def run_node(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    engine = LLMEngine(engine_config(args))
+    service = NodeService(engine, args.role, args.connector, args.transfer_host)
+    server, port = serve(service, args.host, args.port)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # One line a launcher waits for: the role, the model and where to reach the node.
+    print(f"tandem node ready: role={args.role} model={engine.model_name} "
+          f"grpc={args.host}:{port} transfer={service.decode.address}", flush=True)
+    try:
+        run_until_stopped(server, service, stop)
+    except KeyboardInterrupt:
+        pass
+    return 0

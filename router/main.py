@@ -1,0 +1,146 @@
+"""`tandem router` (the OpenAI API over running nodes) and `tandem up` (a router, one
+prefill node and one decode node on this machine, stopped together on Ctrl-C)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import uvicorn
+
+from tandem.engine.loader import load_tokenizer, resolve_model
+from tandem.router.app import RouterSettings, create_app
+from tandem.router.flow import FlowConfig
+
+log = logging.getLogger("tandem.router")
+
+NODE_START_TIMEOUT_S = 600  # loading (and on first use converting) the weights
+_READY = re.compile(r"tandem node ready: .* grpc=(\S+)")
+
+
+def flow_config(args: argparse.Namespace) -> FlowConfig:
+    if args.local_prefill_threshold < 0:
+        raise ValueError("--local-prefill-threshold must be 0 or more")
+    return FlowConfig(local_prefill_threshold=args.local_prefill_threshold,
+                      on_transfer_failure=args.on_transfer_failure)
+
+
+def router_settings(args: argparse.Namespace, prefill: Sequence[str],
+                    decode: Sequence[str]) -> RouterSettings:
+    if not decode:
+        raise ValueError("at least one --decode node is needed")
+    tokenizer = load_tokenizer(resolve_model(args.model, args.load_format))
+    if tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer; the router needs one")
+    return RouterSettings(args.served_model_name or args.model, tokenizer, list(prefill),
+                          list(decode), flow_config(args), args.max_model_len)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    app = create_app(router_settings(args, args.prefill or [], args.decode or []))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Start a prefill node and a decode node as child processes, then the router here;
+    Ctrl-C (or SIGTERM) stops all three."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    flow_config(args)  # bad flags fail before anything starts
+    children: list[subprocess.Popen] = []
+    signal.signal(signal.SIGTERM, _interrupt)  # until uvicorn takes it over
+    try:
+        addresses = {}
+        for role in ("prefill", "decode"):
+            child = subprocess.Popen(
+                [sys.executable, "-m", "tandem.cli", "node", "--role", role,
+                 "--port", "0", "--connector", args.connector, *_engine_flags(args)],
+                stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True)
+            children.append(child)
+        for role, child in zip(("prefill", "decode"), children):
+            addresses[role] = _wait_ready(child, role)
+            print(f"{role} node ready at {addresses[role]}", flush=True)
+        app = create_app(router_settings(args, [addresses["prefill"]], [addresses["decode"]]))
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+        server = uvicorn.Server(config)
+        threading.Thread(target=_announce, args=(server, args), daemon=True).start()
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for child in children:
+            _stop(child)
+    return 0
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--model", args.model, "--load-format", args.load_format, "--dtype", args.dtype,
+             "--device", args.device, "--block-size", str(args.block_size),
+             "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
+    if args.num_kv_blocks is not None:
+        flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.no_prefix_caching:
+        flags.append("--no-prefix-caching")
+    return flags
+
+
+def _wait_ready(child: subprocess.Popen, role: str) -> str:
+    """The node's gRPC address, from its ready line; its other output is passed on."""
+    lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+
+    def pump() -> None:
+        assert child.stdout is not None
+        for line in child.stdout:
+            lines.put(line)
+            sys.stdout.write(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + NODE_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        if line is None:
+            raise RuntimeError(f"the {role} node exited with code {child.wait()} before it "
+                               f"was ready")
+        if m := _READY.search(line):
+            return m.group(1)
+    raise RuntimeError(f"the {role} node was not ready within {NODE_START_TIMEOUT_S}s")
+
+
+def _announce(server: uvicorn.Server, args: argparse.Namespace) -> None:
+    while not server.started:
+        time.sleep(0.05)
+    print(f"Tandem is up: http://{args.host}:{args.port}/v1 (model "
+          f"{args.served_model_name or args.model}); Ctrl-C stops it", flush=True)
+
+
+def _stop(child: subprocess.Popen) -> None:
+    if child.poll() is not None:
+        return
+    try:
+        os.killpg(child.pid, signal.SIGTERM)
+        child.wait(timeout=15)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
