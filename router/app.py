@@ -179,8 +179,9 @@ async def _parse(request: Request, model: type[BaseModel], served: str) -> Any:
         body = model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise APIError(f"{param}: {err['msg']}" if param else err["msg"], param) from None
+        where = ".".join(str(p) for p in err["loc"])
+        param = str(err["loc"][0]) if err["loc"] else None  # the body's field at fault
+        raise APIError(f"{where}: {err['msg']}" if where else err["msg"], param) from None
     if body.model != served:
         raise APIError(f"the model {body.model!r} does not exist; this server has "
                        f"{served!r}", "model", "model_not_found")

@@ -1,0 +1,254 @@
+"""`tandem up` for real (a router, a prefill node and a decode node, three processes, the
+SmolLM2 weights) against the official `openai` SDK and raw HTTP: output equal to the
+offline engine's, disaggregation visible in the metrics, clear 400s, nothing leaked."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from tandem import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # SmolLM2-135M, fp32: a block of every layer's KV
+QUESTIONS = ["What is the capital of France?", "Name three colors.",
+             "Write one sentence about the sea."]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "up", "--port", str(port), "--num-kv-blocks",
+         "512", "--max-model-len", "2048"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "Tandem is up" in line:
+                break
+        else:
+            pytest.fail("tandem up exited: " + "".join(lines[-30:]))
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail("tandem up did not stop on Ctrl-C")
+    # Its nodes are gone with it.
+    out = subprocess.run(["pgrep", "-f", f"--port {port}|tandem.cli node"], capture_output=True)
+    assert proc.returncode == 0 and out.stdout.strip() == b"", out.stdout
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> OpenAI:
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(MODEL)
+
+
+def _chat(question: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": question}]
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """`name{node=...}` -> value, the node label shortened to its role."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if m := re.match(r'(tandem:\w+)\{node="(\w+)@[^"]*"\} (\S+)', line):
+            out[f"{m[1]}:{m[2]}"] = float(m[3])
+    return out
+
+
+def _post(url: str, path: str, body: bytes | dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(f"{url}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _idle(url: str) -> bool:
+    m = _metrics(url)
+    return all(m[f"tandem:kv_blocks_used:{role}"] == 0 for role in ("prefill", "decode"))
+
+
+def _wait(cond, timeout: float = 20.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.2)
+    return cond()
+
+
+def test_models_and_health(url: str, client: OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+        assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+
+
+def test_chat_equals_the_offline_engine(client: OpenAI, offline: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=32)
+    for question in QUESTIONS:
+        want = offline.chat(_chat(question), greedy)[0]
+        got = client.chat.completions.create(model=MODEL, messages=_chat(question),
+                                             max_tokens=32, temperature=0)
+        assert got.choices[0].message.content == want.text
+        assert got.choices[0].finish_reason == want.finish_reason
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert got.usage.completion_tokens == len(want.token_ids)
+        # The same, streamed, with the usage chunk at the end.
+        stream = client.chat.completions.create(
+            model=MODEL, messages=_chat(question), max_tokens=32, temperature=0,
+            stream=True, stream_options={"include_usage": True})
+        text, usage, finish = [], None, None
+        for chunk in stream:
+            if chunk.choices:
+                text.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                usage = chunk.usage
+        assert "".join(text) == want.text and finish == want.finish_reason
+        assert usage is not None and usage.completion_tokens == len(want.token_ids)
+
+
+def test_completions_equal_the_offline_engine(client: OpenAI, offline: LLM) -> None:
+    prompt = "The three primary colors are"
+    want = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24))[0]
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert got.choices[0].text == want.text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True))
+    assert streamed == want.text
+
+
+def test_the_prompt_is_computed_on_the_prefill_node(url: str, client: OpenAI,
+                                                    offline: LLM) -> None:
+    """Disaggregation is real: the prompt's tokens are computed on the prefill node,
+    none on the decode node, and the KV bytes moved are its blocks' bytes."""
+    before = _metrics(url)
+    prompt = "A prompt nobody sent before, to count its blocks: " + "zebra " * 40
+    num_tokens = len(offline.get_tokenizer().encode(prompt))
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    moved = ("tandem:node_prompt_tokens_computed_total:prefill",
+             "tandem:kv_transfer_bytes_sent_total:prefill",
+             "tandem:kv_transfer_bytes_received_total:decode")
+    # The metrics are the nodes' figures as the router last polled them (every second).
+    assert _wait(lambda: all(_metrics(url)[name] > before[name] for name in moved))
+    after = _metrics(url)
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    assert delta("tandem:node_prompt_tokens_computed_total:prefill") == num_tokens
+    assert delta("tandem:node_prompt_tokens_computed_total:decode") == 0
+    blocks = -(-num_tokens // 16)
+    assert delta("tandem:kv_transfer_bytes_sent_total:prefill") == blocks * BLOCK_BYTES
+    assert delta("tandem:kv_transfer_bytes_received_total:decode") == blocks * BLOCK_BYTES
+
+
+@pytest.mark.parametrize(("body", "param", "text"), [
+    (b"{not json", None, "not valid JSON"),
+    ({"model": "gpt-4", "prompt": "hi"}, "model", "does not exist"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, "max_tokens", "integer"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"model": MODEL, "prompt": "hi " * 3000}, None, "context length"),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, "n", "not supported: n"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature", "temperature"),
+    ({"model": MODEL, "prompt": 5}, "prompt", "prompt"),
+])
+def test_bad_input_is_a_400_with_the_openai_error(url: str, body, param, text) -> None:  # noqa: ANN001
+    status, reply = _post(url, "/v1/completions", body)
+    assert status == 400, reply
+    error = reply["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert text in error["message"] and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_bad_chat_input_is_a_400(url: str) -> None:
+    for body in ({"model": MODEL, "messages": []},
+                 {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]},
+                 {"model": MODEL, "messages": _chat("hi"), "tools": [{"type": "function"}]}):
+        status, reply = _post(url, "/v1/chat/completions", body)
+        assert status == 400 and "error" in reply, reply
+
+
+def test_a_client_that_disconnects_frees_every_block(url: str, client: OpenAI) -> None:
+    stream = client.completions.create(model=MODEL, prompt="Count: one, two,", max_tokens=1000,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    assert _wait(lambda: _idle(url)), _metrics(url)
+
+
+def test_32_concurrent_streams_complete_with_correct_usage(url: str, client: OpenAI,
+                                                           offline: LLM) -> None:
+    tok = offline.get_tokenizer()
+    results: dict[int, tuple[int, Any]] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            prompt = f"Request {i}: tell me a fact about the number {i}."
+            chunks, usage = 0, None
+            for c in client.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=12, temperature=0.8, seed=i,
+                    stream=True, stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True}):
+                chunks += bool(c.choices)
+                usage = c.usage or usage
+            results[i] = (len(tok.encode(prompt)), usage)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors[:3]
+    assert len(results) == 32
+    for prompt_tokens, usage in results.values():
+        assert usage.prompt_tokens == prompt_tokens and usage.completion_tokens == 12
+        assert usage.total_tokens == prompt_tokens + 12
+    assert _wait(lambda: _idle(url)), _metrics(url)
