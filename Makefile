@@ -5,7 +5,7 @@ setup:
 	bash scripts/setup.sh
 
 run: setup
-	.venv/bin/tandem generate --prompt "What is the capital of France?"
+	.venv/bin/tandem up
 
 test: setup
 	bash scripts/test.sh
