@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--transfer-host", default="127.0.0.1",
                       help="address the KV transfer agent listens on, as prefill nodes "
                            "reach it (default: %(default)s)")
+    node.add_argument("--index", default=None, metavar="URL",
+                      help="a shared block-hash index (redis://host:port/db) this node "
+                           "publishes its KV blocks to; without it, routers follow the "
+                           "node's block events themselves (default: none)")
     _add_engine_args(node)
     node.set_defaults(func=_node)
 
@@ -143,6 +147,11 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help="a prompt whose tokens missing from the decode node's cache are "
                         "fewer than this is prefilled on the decode node, skipping the "
                         "prefill pool (default: %(default)s, always use the prefill pool)")
+    g.add_argument("--index", default="memory", metavar="memory|URL",
+                   help="block-hash index for prefix-aware routing: memory (held by the "
+                        "router, fed by the nodes' block events) or redis://host:port/db "
+                        "(shared; tandem up passes it to its nodes, which publish to it) "
+                        "(default: %(default)s)")
     g.add_argument("--on-transfer-failure", default="recompute",
                    choices=["recompute", "fail"],
                    help="when a prefill node or its KV transfer fails: compute the prompt on "

@@ -40,7 +40,8 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}
-        self._on_event = on_event
+        # Where stored/evicted events go; a node sets it once it knows who listens.
+        self.on_event = on_event
 
     @property
     def num_blocks(self) -> int:
@@ -100,6 +101,10 @@ class BlockPool:
         self._cached[block_hash] = block
         self._emit("stored", [block_hash])
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block hash held now (in use or free but still cached)."""
+        return list(self._cached)
+
     def reset_prefix_cache(self) -> None:
         evicted = [h for b in self.blocks if b.ref_cnt == 0 and (h := self._uncache(b))]
         if evicted:
@@ -114,5 +119,5 @@ class BlockPool:
         return h
 
     def _emit(self, kind: str, hashes: list[BlockHash]) -> None:
-        if self._on_event is not None:
-            self._on_event(BlockEvent(kind, tuple(hashes)))
+        if self.on_event is not None:
+            self.on_event(BlockEvent(kind, tuple(hashes)))

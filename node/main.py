@@ -9,13 +9,15 @@ import threading
 
 from tandem.engine.cli_generate import engine_config
 from tandem.engine.llm_engine import LLMEngine
+from tandem.kvtransfer.index import get_index
 from tandem.node.server import NodeService, run_until_stopped, serve
 
 
 def run_node(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config(args))
-    service = NodeService(engine, args.role, args.connector, args.transfer_host)
+    index = get_index(args.index, engine.model_name) if args.index else None
+    service = NodeService(engine, args.role, args.connector, args.transfer_host, index)
     server, port = serve(service, args.host, args.port)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

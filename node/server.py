@@ -21,12 +21,15 @@ from typing import TypeVar
 import grpc
 
 from tandem.decode_node.role import DecodeRole
+from tandem.engine.block_pool import BlockEvent
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request
 from tandem.kvtransfer.connector import TransferError, get_connector
+from tandem.kvtransfer.index.base import BlockIndex
 from tandem.kvtransfer.layout import KVLayout
 from tandem.node import convert
+from tandem.node.events import BlockEvents
 from tandem.node.loop import EngineLoop
 from tandem.prefill_node.role import PrefillRole
 from tandem.protos import node_pb2 as pb
@@ -42,7 +45,10 @@ _POLL_S = 0.1  # a streaming call looks at its client this often while no token 
 
 class NodeService(pb_grpc.NodeServicer):
     def __init__(self, engine: LLMEngine, role: str, connector: str = "tcp",
-                 transfer_host: str = "127.0.0.1", **connector_options: object) -> None:
+                 transfer_host: str = "127.0.0.1", index: BlockIndex | None = None,
+                 **connector_options: object) -> None:
+        """`index`: a shared block-hash index (Redis) this node publishes its blocks to,
+        as its address (`serve` sets it); routers also follow `BlockEvents`."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
         self.role = ROLES[role]
@@ -54,8 +60,11 @@ class NodeService(pb_grpc.NodeServicer):
         self._connector = get_connector(connector, **connector_options)
         self.decode = DecodeRole(self.loop, self._connector, transfer_host, self.layout)
         self.prefill = PrefillRole(self.loop, self._connector, self.layout)
+        self.events = BlockEvents("", index)
+        self.loop.call(lambda e: setattr(e.block_pool, "on_event", self.events.on_event))
 
     def close(self) -> None:
+        self.events.close()
         self.decode.close()
         self.prefill.close()
         self.loop.close()
@@ -162,6 +171,29 @@ class NodeService(pb_grpc.NodeServicer):
         self.accepting = True
         return pb.SetRoleReply(role=self.role, drained=drained)
 
+    def BlockEvents(self, request: pb.BlockEventsRequest, context: grpc.ServicerContext
+                    ) -> Iterator[pb.BlockEventBatch]:
+        events: queue.SimpleQueue[BlockEvent] = queue.SimpleQueue()
+
+        def subscribe(e: LLMEngine) -> list[bytes]:  # on the loop: no event slips between
+            self.events.subscribe(events)
+            return e.block_pool.cached_hashes()
+
+        try:
+            yield pb.BlockEventBatch(snapshot=True, stored=self.loop.call(subscribe))
+            while context.is_active():
+                try:
+                    batch = [events.get(timeout=_POLL_S)]
+                except queue.Empty:
+                    continue
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                yield pb.BlockEventBatch(
+                    stored=[h for ev in batch if ev.kind == "stored" for h in ev.block_hashes],
+                    evicted=[h for ev in batch if ev.kind != "stored" for h in ev.block_hashes])
+        finally:
+            self.events.unsubscribe(events)
+
     # -- helpers -----------------------------------------------------------------------
 
     def _serving(self, role: int, context: grpc.ServicerContext) -> None:
@@ -213,6 +245,7 @@ def serve(service: NodeService, host: str = "127.0.0.1", port: int = 0,
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
+    service.events.node_id = f"{host}:{bound}"  # as routers know the node
     server.start()
     return server, bound
 

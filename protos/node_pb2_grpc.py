@@ -69,6 +69,11 @@ class NodeStub:
                 request_serializer=tandem_dot_protos_dot_node__pb2.SetRoleRequest.SerializeToString,
                 response_deserializer=tandem_dot_protos_dot_node__pb2.SetRoleReply.FromString,
                 _registered_method=True)
+        self.BlockEvents = channel.unary_stream(
+                '/tandem.node.v1.Node/BlockEvents',
+                request_serializer=tandem_dot_protos_dot_node__pb2.BlockEventsRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_node__pb2.BlockEventBatch.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -124,6 +129,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BlockEvents(self, request, context):
+        """Either role: which KV blocks the node holds, for a router's block-hash index: a
+        snapshot first, then each block stored or evicted as it happens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +174,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.SetRole,
                     request_deserializer=tandem_dot_protos_dot_node__pb2.SetRoleRequest.FromString,
                     response_serializer=tandem_dot_protos_dot_node__pb2.SetRoleReply.SerializeToString,
+            ),
+            'BlockEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.BlockEvents,
+                    request_deserializer=tandem_dot_protos_dot_node__pb2.BlockEventsRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_node__pb2.BlockEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -352,6 +370,33 @@ class Node:
             '/tandem.node.v1.Node/SetRole',
             tandem_dot_protos_dot_node__pb2.SetRoleRequest.SerializeToString,
             tandem_dot_protos_dot_node__pb2.SetRoleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BlockEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.node.v1.Node/BlockEvents',
+            tandem_dot_protos_dot_node__pb2.BlockEventsRequest.SerializeToString,
+            tandem_dot_protos_dot_node__pb2.BlockEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

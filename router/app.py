@@ -29,6 +29,7 @@ from tandem.engine.tokenizer import Tokenizer
 from tandem.node import convert
 from tandem.protos import node_pb2 as pb
 from tandem.router.flow import Flow, FlowConfig, StreamBroken
+from tandem.router.index import RouterIndex
 from tandem.router.metrics import RouterMetrics
 from tandem.router.pool import Pool
 from tandem.router.protocol import APIError, ChatRequest, CompletionRequest
@@ -44,17 +45,21 @@ class RouterSettings:
     decode: list[str]
     flow: FlowConfig = field(default_factory=FlowConfig)
     max_model_len: int = 8192
+    index: str = "memory"  # or redis://...: see router/index.py
 
 
 def create_app(settings: RouterSettings) -> FastAPI:
     pool = Pool(settings.prefill, settings.decode)
-    metrics = RouterMetrics(pool)
-    flow = Flow(pool, settings.flow, metrics)
+    index = RouterIndex(settings.index, pool, settings.model)
+    metrics = RouterMetrics(pool, index)
+    flow = Flow(pool, settings.flow, metrics, index)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await pool.start()
+        await index.start()
         yield
+        await index.close()
         await pool.close()
 
     app = FastAPI(title="Tandem", lifespan=lifespan)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 
 from tandem.protos import node_pb2 as pb
+from tandem.router.index import RouterIndex
 from tandem.router.metrics import RouterMetrics
 from tandem.router.pool import NodeClient, Pool
 from tandem.router.protocol import APIError
@@ -47,8 +48,9 @@ class FlowConfig:
 
 
 class Flow:
-    def __init__(self, pool: Pool, config: FlowConfig, metrics: RouterMetrics) -> None:
-        self.pool, self.config, self.metrics = pool, config, metrics
+    def __init__(self, pool: Pool, config: FlowConfig, metrics: RouterMetrics,
+                 index: RouterIndex) -> None:
+        self.pool, self.config, self.metrics, self.index = pool, config, metrics, index
         self._cleanup: set[asyncio.Task] = set()
 
     async def run(self, request: pb.Request) -> AsyncIterator[pb.GenerateChunk]:
@@ -114,7 +116,8 @@ class Flow:
                        touched: list[NodeClient]) -> int | None:
         """The first token from a prefill node that pushed the prompt's KV into `sink`;
         None to have the decode node compute the prompt instead."""
-        node = self.pool.pick_prefill(len(request.prompt_token_ids))
+        cached = await self.index.cached_tokens(request.prompt_token_ids)
+        node = self.pool.pick_prefill(len(request.prompt_token_ids), cached)
         if node is None:
             self.metrics.requests.labels("decode-local").inc()
             return None  # no prefill node up: the decode node does it all

@@ -42,7 +42,7 @@ def router_settings(args: argparse.Namespace, prefill: Sequence[str],
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer; the router needs one")
     return RouterSettings(args.served_model_name or args.model, tokenizer, list(prefill),
-                          list(decode), flow_config(args), args.max_model_len)
+                          list(decode), flow_config(args), args.max_model_len, args.index)
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -64,7 +64,8 @@ def run_up(args: argparse.Namespace) -> int:
         for role in ("prefill", "decode"):
             child = subprocess.Popen(
                 [sys.executable, "-m", "tandem.cli", "node", "--role", role,
-                 "--port", "0", "--connector", args.connector, *_engine_flags(args)],
+                 "--port", "0", "--connector", args.connector, *_engine_flags(args),
+                 *(["--index", args.index] if args.index != "memory" else [])],
                 stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True)
             children.append(child)
         for role, child in zip(("prefill", "decode"), children):

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tandem.router.index import RouterIndex
 from tandem.router.pool import Pool
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -21,7 +22,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class RouterMetrics:
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Pool, index: RouterIndex) -> None:
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("tandem:time_to_first_token_seconds",
                               "Time to first token: request received to first token sent.",
@@ -47,6 +48,19 @@ class RouterMetrics:
         self.errors = Counter("tandem:router_request_errors", "Requests that ended in an "
                               "error, by HTTP status.", ["status"], registry=r)
         r.register(_NodeCollector(pool))
+        r.register(_IndexCollector(index))
+
+
+class _IndexCollector(Collector):
+    def __init__(self, index: RouterIndex) -> None:
+        self.index = index
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("tandem:router_index_lookups", "Prompts looked up in the "
+                                  "block-hash index.", value=self.index.lookups)
+        yield CounterMetricFamily("tandem:router_index_hit_blocks", "Blocks of looked-up "
+                                  "prompts some node held (the best node's, per prompt).",
+                                  value=self.index.hit_blocks)
 
 
 class _NodeCollector(Collector):

@@ -125,4 +125,4 @@ class Pool:
             return uncached * token_weight + n.queued_prefill_tokens() + n.in_flight
 
         up = [n for n in self.prefill if n.healthy and n not in exclude]
-        return min(up, key=cost, default=None)
+        return min(up, key=lambda n: (cost(n), random.random()), default=None)  # ties: any

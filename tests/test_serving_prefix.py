@@ -1,0 +1,139 @@
+"""Prefix-aware routing across nodes: two prefill nodes and a decode node publish their
+KV blocks to a real redis-server (started here, on a free port); the router looks each
+prompt up there. A request sharing a 512-token prefix with an earlier one goes to the
+prefill node that computed it, and that node's prefix-cache hits show in the metrics.
+The same with the router's in-memory index, fed by the nodes' block events."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from redis_server import RedisServer, free_port
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+ENGINE = ["--num-kv-blocks", "512", "--max-model-len", "2048"]
+PREFIX_TOKENS = 512
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+
+
+def _ready_address(proc: subprocess.Popen) -> str:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if m := re.search(r"tandem node ready: .* grpc=(\S+)", line):
+            return m.group(1)
+    raise AssertionError(f"node exited with {proc.wait()}")
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    server = RedisServer().start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="module", params=["redis", "memory"])
+def url(request, redis_url: str) -> Iterator[str]:  # noqa: ANN001
+    index = redis_url if request.param == "redis" else "memory"
+    node_index = ["--index", index] if request.param == "redis" else []
+    nodes = [_start(["node", "--role", role, *node_index, *ENGINE])
+             for role in ("prefill", "prefill", "decode")]
+    procs = list(nodes)
+    try:
+        a, b, d = (_ready_address(p) for p in nodes)
+        port = free_port()
+        procs.append(_start(["router", "--port", str(port), "--prefill", a, "--prefill", b,
+                             "--decode", d, "--index", index]))
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if all(json.loads(r.read())["nodes"].values()):
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and procs[-1].poll() is None, "router not up"
+            time.sleep(0.2)
+        yield url
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def _prefill_metrics(url: str) -> dict[str, dict[str, float]]:
+    """prefill node address -> {metric: value}."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if m := re.match(r'tandem:(\w+)\{node="prefill@([^"]+)"\} (\S+)', line):
+            out.setdefault(m[2], {})[m[1]] = float(m[3])
+    return out
+
+
+def _complete(url: str, prompt: list[int]) -> None:
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 2,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200
+
+
+def _settled(url: str, before: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The metrics once the router's poll has seen a request's prefill (1 s period)."""
+    deadline = time.monotonic() + 10
+    while True:
+        now = _prefill_metrics(url)
+        moved = sum(now[n]["node_prompt_tokens_computed_total"]
+                    - before[n]["node_prompt_tokens_computed_total"] for n in now)
+        if moved > 0 or time.monotonic() > deadline:
+            time.sleep(1.2)  # and the block events / Redis writes that follow it
+            return _prefill_metrics(url)
+        time.sleep(0.2)
+
+
+def test_a_shared_prefix_goes_to_the_node_that_holds_it(url: str) -> None:
+    rng = random.Random(11)
+    homes = []
+    for round_ in range(4):  # ties between the nodes break at random: 4 prefixes, 2 nodes
+        prefix = [rng.randrange(100, 40000) for _ in range(PREFIX_TOKENS)]
+        before = _prefill_metrics(url)
+        _complete(url, prefix + [rng.randrange(100, 40000) for _ in range(20)])
+        after = _settled(url, before)
+        first = [n for n in after if after[n]["node_prompt_tokens_computed_total"]
+                 > before[n]["node_prompt_tokens_computed_total"]]
+        assert len(first) == 1, (round_, before, after)
+        home = first[0]
+        homes.append(home)
+        # A second request with the same 512-token prefix and another ending.
+        _complete(url, prefix + [rng.randrange(100, 40000) for _ in range(30)])
+        again = _settled(url, after)
+        computed = {n: again[n]["node_prompt_tokens_computed_total"]
+                    - after[n]["node_prompt_tokens_computed_total"] for n in again}
+        hits = {n: again[n]["prefix_cache_hits_total"] - after[n]["prefix_cache_hits_total"]
+                for n in again}
+        assert computed[home] == 30 and hits[home] == PREFIX_TOKENS, (round_, computed, hits)
+        assert all(computed[n] == 0 for n in computed if n != home)
+    index = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    assert re.search(r"^tandem:router_index_hit_blocks_total [1-9]", index, re.M)
