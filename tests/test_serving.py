@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +18,7 @@ from typing import Any
 
 import pytest
 from openai import OpenAI
+from serving_helpers import free_port, metric_samples
 
 from tandem import LLM, SamplingParams
 
@@ -31,15 +30,9 @@ QUESTIONS = ["What is the capital of France?", "Name three colors.",
              "Write one sentence about the sea."]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "up", "--port", str(port), "--num-kv-blocks",
          "512", "--max-model-len", "2048"],
@@ -82,13 +75,9 @@ def _chat(question: str) -> list[dict[str, str]]:
 
 
 def _metrics(url: str) -> dict[str, float]:
-    """`name{node=...}` -> value, the node label shortened to its role."""
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if m := re.match(r'(tandem:\w+)\{node="(\w+)@[^"]*"\} (\S+)', line):
-            out[f"{m[1]}:{m[2]}"] = float(m[3])
-    return out
+    """`name:role` -> value for the per-node metrics (one node of each role here)."""
+    return {f"{name}:{labels['node'].split('@')[0]}": value
+            for name, labels, value in metric_samples(url) if "node" in labels}
 
 
 def _post(url: str, path: str, body: bytes | dict[str, Any]) -> tuple[int, dict[str, Any]]:

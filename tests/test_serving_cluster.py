@@ -4,21 +4,17 @@ multi-turn chat, then nodes killed under it while requests keep completing."""
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
 from openai import OpenAI
+from serving_helpers import free_port, metric_samples, node_address, start, stop, wait_up
 
 from tandem import LLM, SamplingParams
 
@@ -27,25 +23,6 @@ pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 THRESHOLD = 48
 ENGINE = ["--num-kv-blocks", "256", "--max-model-len", "2048"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-
-
-def _ready_address(proc: subprocess.Popen) -> str:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if m := re.search(r"tandem node ready: .* grpc=(\S+)", line):
-            return m.group(1)
-    raise AssertionError(f"node exited with {proc.wait()}")
 
 
 @dataclass
@@ -58,37 +35,21 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    prefill = _start(["node", "--role", "prefill", *ENGINE])
-    decodes = [_start(["node", "--role", "decode", *ENGINE]) for _ in range(2)]
+    prefill = start(["node", "--role", "prefill", *ENGINE])
+    decodes = [start(["node", "--role", "decode", *ENGINE]) for _ in range(2)]
     procs = [prefill, *decodes]
     try:
-        addresses = [_ready_address(p) for p in procs]
-        port = _free_port()
-        router = _start(["router", "--port", str(port), "--prefill", addresses[0],
-                         *[f"--decode={a}" for a in addresses[1:]],
-                         "--local-prefill-threshold", str(THRESHOLD)])
+        addresses = [node_address(p) for p in procs]
+        port = free_port()
+        router = start(["router", "--port", str(port), "--prefill", addresses[0],
+                        *[f"--decode={a}" for a in addresses[1:]],
+                        "--local-prefill-threshold", str(THRESHOLD)])
         procs.append(router)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if json.loads(r.read())["status"] == "ok":
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline and router.poll() is None, "router not up"
-            time.sleep(0.2)
+        wait_up(url, router)
         yield Cluster(url, prefill, decodes, router)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop(procs)
 
 
 @pytest.fixture(scope="module")
@@ -102,15 +63,16 @@ def offline() -> LLM:
 
 
 def _counters(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    """Requests by pool, retries by stage, and the prefill node's prompt tokens."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if m := re.match(r'tandem:router_requests_total\{pool="([\w-]+)"\} (\S+)', line):
-            out[m[1]] = float(m[2])
-        elif m := re.match(r'tandem:router_retries_total\{stage="(\w+)"\} (\S+)', line):
-            out[f"retries-{m[1]}"] = float(m[2])
-        elif m := re.match(r'tandem:node_prompt_tokens_computed_total\{node="prefill@', line):
-            out["prefill_tokens"] = float(line.split()[-1])
+    for name, labels, value in metric_samples(url):
+        if name == "tandem:router_requests_total":
+            out[labels["pool"]] = value
+        elif name == "tandem:router_retries_total":
+            out[f"retries-{labels['stage']}"] = value
+        elif (name == "tandem:node_prompt_tokens_computed_total"
+              and labels["node"].startswith("prefill@")):
+            out["prefill_tokens"] = value
     return out
 
 

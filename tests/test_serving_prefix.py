@@ -7,37 +7,20 @@ The same with the router's in-memory index, fed by the nodes' block events."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import re
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from redis_server import RedisServer, free_port
+from redis_server import RedisServer
+from serving_helpers import free_port, metric_samples, node_address, start, stop, wait_up
 
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
 ENGINE = ["--num-kv-blocks", "512", "--max-model-len", "2048"]
 PREFIX_TOKENS = 512
-
-
-def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-
-
-def _ready_address(proc: subprocess.Popen) -> str:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if m := re.search(r"tandem node ready: .* grpc=(\S+)", line):
-            return m.group(1)
-    raise AssertionError(f"node exited with {proc.wait()}")
 
 
 @pytest.fixture(scope="module")
@@ -51,43 +34,28 @@ def redis_url() -> Iterator[str]:
 def url(request, redis_url: str) -> Iterator[str]:  # noqa: ANN001
     index = redis_url if request.param == "redis" else "memory"
     node_index = ["--index", index] if request.param == "redis" else []
-    nodes = [_start(["node", "--role", role, *node_index, *ENGINE])
+    nodes = [start(["node", "--role", role, *node_index, *ENGINE])
              for role in ("prefill", "prefill", "decode")]
     procs = list(nodes)
     try:
-        a, b, d = (_ready_address(p) for p in nodes)
+        a, b, d = (node_address(p) for p in nodes)
         port = free_port()
-        procs.append(_start(["router", "--port", str(port), "--prefill", a, "--prefill", b,
-                             "--decode", d, "--index", index]))
+        procs.append(start(["router", "--port", str(port), "--prefill", a, "--prefill", b,
+                            "--decode", d, "--index", index]))
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if all(json.loads(r.read())["nodes"].values()):
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline and procs[-1].poll() is None, "router not up"
-            time.sleep(0.2)
+        wait_up(url, procs[-1], every_node=True)
         yield url
     finally:
-        for p in procs:
-            os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop(procs)
 
 
 def _prefill_metrics(url: str) -> dict[str, dict[str, float]]:
     """prefill node address -> {metric: value}."""
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     out: dict[str, dict[str, float]] = {}
-    for line in text.splitlines():
-        if m := re.match(r'tandem:(\w+)\{node="prefill@([^"]+)"\} (\S+)', line):
-            out.setdefault(m[2], {})[m[1]] = float(m[3])
+    for name, labels, value in metric_samples(url):
+        if labels.get("node", "").startswith("prefill@"):
+            out.setdefault(labels["node"].removeprefix("prefill@"), {})[
+                name.removeprefix("tandem:")] = value
     return out
 
 
@@ -135,5 +103,6 @@ def test_a_shared_prefix_goes_to_the_node_that_holds_it(url: str) -> None:
                 for n in again}
         assert computed[home] == 30 and hits[home] == PREFIX_TOKENS, (round_, computed, hits)
         assert all(computed[n] == 0 for n in computed if n != home)
-    index = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    assert re.search(r"^tandem:router_index_hit_blocks_total [1-9]", index, re.M)
+    hit_blocks = [v for name, _, v in metric_samples(url)
+                  if name == "tandem:router_index_hit_blocks_total"]
+    assert hit_blocks and hit_blocks[0] >= 4 * PREFIX_TOKENS // 16

@@ -1,0 +1,72 @@
+"""Tandem's serving processes for tests: nodes and routers started as `tandem` commands in
+their own process groups, waited for, read through /metrics, and stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from redis_server import free_port
+
+__all__ = ["free_port", "metric_samples", "node_address", "start", "stop", "wait_up"]
+
+
+def start(args: list[str]) -> subprocess.Popen:
+    """`tandem <args>` in a new process group; its stdout piped, for `node_address`."""
+    return subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+
+
+def node_address(proc: subprocess.Popen) -> str:
+    """A starting node's gRPC address, from the line it prints once it serves."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if m := re.search(r"tandem node ready: .* grpc=(\S+)", line):
+            return m.group(1)
+    raise AssertionError(f"the node exited with {proc.wait()} before it was ready")
+
+
+def wait_up(url: str, router: subprocess.Popen, every_node: bool = False,
+            timeout_s: float = 120.0) -> None:
+    """Until the router's /health says ok (and, with `every_node`, each node is up)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                health = json.loads(r.read())
+                if health["status"] == "ok" and (not every_node or all(health["nodes"].values())):
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline and router.poll() is None, "the router is not up"
+        time.sleep(0.2)
+
+
+def stop(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
+    """Signal each process group, then wait; SIGKILL what does not stop in 20 s."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, sig)
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+
+def metric_samples(url: str) -> list[tuple[str, dict[str, str], float]]:
+    """The router's /metrics as (name, labels, value), `tandem:` metrics only."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    out = []
+    for line in text.splitlines():
+        if m := re.match(r"(tandem:\w+)(?:\{(.*)\})? (\S+)$", line):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m[2] or ""))
+            out.append((m[1], labels, float(m[3])))
+    return out
