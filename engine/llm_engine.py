@@ -70,9 +70,11 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, cache.block_size, Sampler(self.eos_token_ids))
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        # Since start, for the node's metrics: prompt tokens computed here and found in
-        # the prefix cache (counted as requests end), tokens generated.
+        # Since start, for the node's metrics: prompt tokens computed here, and of the
+        # requests that ended, all prompt tokens and those found in the prefix cache;
+        # tokens generated.
         self.num_prompt_tokens_computed = 0
+        self.num_prompt_tokens_queried = 0  # prompt tokens of ended requests
         self.num_prompt_tokens_cached = 0
         self.num_generation_tokens = 0
         # Decode role: requests holding their prompt's blocks, waiting for its KV.
@@ -297,6 +299,7 @@ class LLMEngine:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.num_prompt_tokens_cached += req.num_cached_tokens
+        self.num_prompt_tokens_queried += req.num_prompt_tokens
         self.scheduler.finish(req, status)
         del self._requests[req.request_id]
         self._detok.pop(req.request_id, None)

@@ -151,6 +151,9 @@ class NodeService(pb_grpc.NodeServicer):
                 kv_bytes_sent=self.prefill.kv_bytes_sent,
                 kv_bytes_received=self.decode.kv_bytes_received,
                 transfers_failed=self.prefill.transfers_failed + self.decode.transfers_failed,
+                prefix_cache_queries=e.num_prompt_tokens_queried,
+                num_preemptions=s.num_preemptions,
+                kv_transfer_seconds=self.prefill.kv_transfer_seconds,
             )
 
         return self.loop.call(collect)

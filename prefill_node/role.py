@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -42,6 +43,7 @@ class _Pending:
     result: Future[PrefillResult]
     push: KVPush | None = None
     error: BaseException | None = None
+    started: float = 0.0  # time.monotonic() at the push's start
 
 
 class PrefillRole:
@@ -54,6 +56,7 @@ class PrefillRole:
         self._finisher = ThreadPoolExecutor(4, thread_name_prefix="kv-push-finish")
         self._lock = threading.Lock()
         self.kv_bytes_sent = 0
+        self.kv_transfer_seconds = 0.0  # summed over pushes, start to the receiver's done
         self.transfers_failed = 0
         loop.engine.prefill_hook = self._hook
 
@@ -95,6 +98,7 @@ class PrefillRole:
             return None
         n = len(pending.sink.block_ids)
         src = req.block_ids[pending.first_block:pending.first_block + n]
+        pending.started = time.monotonic()
         try:
             push = KVPush(self.connector, pending.sink, self._rows, src, self.layout,
                           send_timeout=self._send_timeout_s)
@@ -149,4 +153,5 @@ class PrefillRole:
         kv_bytes = len(pending.sink.block_ids) * self.layout.block_bytes * self.layout.num_layers
         with self._lock:
             self.kv_bytes_sent += kv_bytes
+            self.kv_transfer_seconds += time.monotonic() - pending.started
         pending.result.set_result(PrefillResult(out.token_ids[0], out.num_cached_tokens, kv_bytes))

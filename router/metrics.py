@@ -85,8 +85,15 @@ class _NodeCollector(Collector):
             "node_up": gauge("node_up", "1 while the node answers its health checks."),
             "node_prompt_tokens_computed": counter("node_prompt_tokens_computed",
                                                    "Prompt tokens the node computed."),
+            "prefix_cache_queries": counter("prefix_cache_queries",
+                                            "Prompt tokens looked up in the node's prefix "
+                                            "cache (of requests that ended)."),
             "prefix_cache_hits": counter("prefix_cache_hits",
                                          "Prompt tokens found in the node's prefix cache."),
+            "num_preemptions": counter("num_preemptions",
+                                       "Requests the node preempted (recompute)."),
+            "kv_transfer_seconds": counter("kv_transfer_seconds",
+                                           "Seconds the node's KV pushes took, summed."),
             "node_generation_tokens": counter("node_generation_tokens",
                                               "Tokens the node generated."),
             "kv_transfer_bytes_sent": counter("kv_transfer_bytes_sent",
@@ -109,7 +116,10 @@ class _NodeCollector(Collector):
                 label, used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
             families["kv_blocks_used"].add_metric(label, used)
             families["node_prompt_tokens_computed"].add_metric(label, s.prompt_tokens_computed)
+            families["prefix_cache_queries"].add_metric(label, s.prefix_cache_queries)
             families["prefix_cache_hits"].add_metric(label, s.prompt_tokens_cached)
+            families["num_preemptions"].add_metric(label, s.num_preemptions)
+            families["kv_transfer_seconds"].add_metric(label, s.kv_transfer_seconds)
             families["node_generation_tokens"].add_metric(label, s.generation_tokens)
             families["kv_transfer_bytes_sent"].add_metric(label, s.kv_bytes_sent)
             families["kv_transfer_bytes_received"].add_metric(label, s.kv_bytes_received)

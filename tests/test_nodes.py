@@ -244,3 +244,16 @@ def test_concurrent_disaggregated_requests(nodes, prompts, expected):  # noqa: A
     assert not errors, errors
     assert all(results[i] == expected[i % len(prompts)] for i in range(8))
     assert _wait(lambda: _idle(decode) and _idle(prefill))
+
+
+def test_nodes_swap_roles_once_drained(nodes, prompts, expected):  # noqa: ANN001
+    first, second = nodes  # prefill, decode
+    for node, role in ((second, pb.PREFILL), (first, pb.DECODE)):
+        reply = node.stub.SetRole(pb.SetRoleRequest(role=role, drain_timeout_s=5), timeout=10)
+        assert reply.role == role and reply.drained
+        assert node.stub.Health(pb.HealthRequest(), timeout=10).role == role
+    with pytest.raises(grpc.RpcError) as raised:
+        second.stub.Reserve(pb.ReserveRequest(request=_request("r", prompts[0])), timeout=10)
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # The old decode node now prefills into the old prefill node, weights untouched.
+    assert _disaggregated(second, first, "swapped", prompts[1])[0] == expected[1]
