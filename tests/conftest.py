@@ -17,3 +17,11 @@ def smollm2_source() -> ModelSource:
 def smollm2_path(smollm2_source: ModelSource) -> Path:
     assert smollm2_source.path is not None
     return smollm2_source.path
+
+
+@pytest.fixture(scope="session")
+def offline():  # noqa: ANN201 - tandem.LLM, imported lazily
+    """The offline engine on SmolLM2, the reference the serving tests compare with."""
+    from tandem import LLM
+
+    return LLM("smollm2-135m-instruct")

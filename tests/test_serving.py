@@ -65,11 +65,6 @@ def client(url: str) -> OpenAI:
     return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def offline() -> LLM:
-    return LLM(MODEL)
-
-
 def _chat(question: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": question}]
 

@@ -57,11 +57,6 @@ def client(cluster: Cluster) -> OpenAI:
     return OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def offline() -> LLM:
-    return LLM(MODEL)
-
-
 def _counters(url: str) -> dict[str, float]:
     """Requests by pool, retries by stage, and the prefill node's prompt tokens."""
     out: dict[str, float] = {}
@@ -129,6 +124,8 @@ def test_requests_complete_when_a_decode_node_dies(cluster: Cluster, client: Ope
     the other one, and every one completes."""
     want = offline.generate("Once upon a time",
                             SamplingParams(temperature=0.0, max_tokens=8))[0].text
+    # Both decode nodes idle in the router's eyes, so the first pick is the first one.
+    assert _wait_idle_decodes(cluster.url)
     os.killpg(cluster.decodes[0].pid, signal.SIGKILL)
     cluster.decodes[0].wait(timeout=10)
     with ThreadPoolExecutor(6) as pool:
@@ -137,3 +134,15 @@ def test_requests_complete_when_a_decode_node_dies(cluster: Cluster, client: Ope
             temperature=0).choices[0].text, range(6)))
     assert texts == [want] * 6
     assert _counters(cluster.url).get("retries-decode", 0) >= 1  # the dead one was tried
+
+
+def _wait_idle_decodes(url: str, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        used = [v for name, labels, v in metric_samples(url)
+                if name in ("tandem:kv_blocks_used", "tandem:num_requests_running")
+                and labels["node"].startswith("decode@")]
+        if len(used) == 4 and not any(used):
+            return True
+        time.sleep(0.2)
+    return False

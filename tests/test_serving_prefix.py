@@ -24,29 +24,27 @@ PREFIX_TOKENS = 512
 
 
 @pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    server = RedisServer().start()
-    yield server.url
-    server.stop()
-
-
-@pytest.fixture(scope="module", params=["redis", "memory"])
-def url(request, redis_url: str) -> Iterator[str]:  # noqa: ANN001
-    index = redis_url if request.param == "redis" else "memory"
-    node_index = ["--index", index] if request.param == "redis" else []
-    nodes = [start(["node", "--role", role, *node_index, *ENGINE])
+def routers() -> Iterator[dict[str, str]]:
+    """Two prefill nodes and a decode node publishing to a redis-server, and two routers
+    over them: one looks prompts up in Redis, one keeps its own index from the nodes'
+    block events. index kind -> the router's URL."""
+    redis = RedisServer().start()
+    nodes = [start(["node", "--role", role, "--index", redis.url, *ENGINE])
              for role in ("prefill", "prefill", "decode")]
     procs = list(nodes)
     try:
         a, b, d = (node_address(p) for p in nodes)
-        port = free_port()
-        procs.append(start(["router", "--port", str(port), "--prefill", a, "--prefill", b,
-                            "--decode", d, "--index", index]))
-        url = f"http://127.0.0.1:{port}"
-        wait_up(url, procs[-1], every_node=True)
-        yield url
+        urls = {}
+        for index in (redis.url, "memory"):
+            port = free_port()
+            procs.append(start(["router", "--port", str(port), "--prefill", a, "--prefill", b,
+                                "--decode", d, "--index", index]))
+            urls["memory" if index == "memory" else "redis"] = url = f"http://127.0.0.1:{port}"
+            wait_up(url, procs[-1], every_node=True)
+        yield urls
     finally:
         stop(procs)
+        redis.stop()
 
 
 def _prefill_metrics(url: str) -> dict[str, dict[str, float]]:
@@ -81,8 +79,11 @@ def _settled(url: str, before: dict[str, dict[str, float]]) -> dict[str, dict[st
         time.sleep(0.2)
 
 
-def test_a_shared_prefix_goes_to_the_node_that_holds_it(url: str) -> None:
-    rng = random.Random(11)
+@pytest.mark.parametrize("index", ["redis", "memory"])
+def test_a_shared_prefix_goes_to_the_node_that_holds_it(routers: dict[str, str],
+                                                        index: str) -> None:
+    url = routers[index]
+    rng = random.Random(index)  # prefixes of its own: the nodes are shared
     homes = []
     for round_ in range(4):  # ties between the nodes break at random: 4 prefixes, 2 nodes
         prefix = [rng.randrange(100, 40000) for _ in range(PREFIX_TOKENS)]
