@@ -90,7 +90,9 @@ class NodeService(pb_grpc.NodeServicer):
         outputs: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
         first = request.first_token if request.HasField("first_token") else None
         self._guard(context, lambda: self.decode.generate(req, first, outputs.put))
-        context.add_callback(lambda: self._abort_unfinished(rid, "the client went away"))
+        finished = threading.Event()  # the RPC's end needs no abort then
+        context.add_callback(
+            lambda: finished.is_set() or self._abort_unfinished(rid, "the client went away"))
         sent = 0
         while True:
             try:
@@ -104,6 +106,7 @@ class NodeService(pb_grpc.NodeServicer):
             chunk = pb.GenerateChunk(token_ids=out.token_ids[sent:], text=out.delta)
             sent = len(out.token_ids)
             if out.finished:
+                finished.set()
                 chunk.finish_reason = out.finish_reason or ""
                 chunk.prompt_tokens = len(out.prompt_token_ids)
                 chunk.completion_tokens = len(out.token_ids)

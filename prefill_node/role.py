@@ -132,7 +132,8 @@ class PrefillRole:
         if pending.error is not None or pending.push is None:
             if pending.push is not None:
                 pending.push.abort(str(pending.error))
-            self.transfers_failed += 1
+            with self._lock:  # finisher threads count too
+                self.transfers_failed += 1
             error = pending.error or TransferError(f"no KV push was opened for {rid!r}")
             pending.result.set_exception(error)
             return
