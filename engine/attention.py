@@ -1,34 +1,94 @@
-"""Per-forward attention metadata and the attention backend the model calls."""
+"""The attention backend interface: per-step metadata, KV store and attention, chosen
+by name. The model calls `backend.forward`; it never knows which backend runs.
+
+- `torch` (`attention_torch.py`): the reference, any device; what the CPU runs.
+- `triton` (`attention_triton.py`): Triton kernels over the paged cache; the CUDA default.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from tandem.kernels.kv_store import store_kv_ref
-from tandem.kernels.paged_attention import paged_attention_ref
+BACKENDS = ("torch", "triton")
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Built once per step by the model runner and passed down every layer."""
+    """What every backend gets, built once per step by the model runner: device tensors
+    (views of its persistent buffers) and the host ints that size kernel grids.
+
+    Row b of the batch owns queries [query_start[b], query_start[b+1]): the *last*
+    q_len of its seq_lens[b] tokens. Every token's K/V slot is in `slot_mapping`; a
+    padded row writes to the null slot and reads the null block, which nobody owns."""
 
     slot_mapping: torch.Tensor  # [T] int64
-    block_tables: torch.Tensor  # [B, max_blocks] int64
-    seq_lens: list[int]  # [B]
-    query_start: list[int]  # [B + 1]
+    block_tables: torch.Tensor  # [B, W] int32, row b = sequence b
+    seq_lens: torch.Tensor  # [B] int32, the new tokens included
+    query_start: torch.Tensor  # [B + 1] int32
+    max_query_len: int
+    max_seq_len: int  # an upper bound (a CUDA graph is captured for the longest context)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
 
 
-def paged_attention(
-    q: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    store_kv_ref(k, v, kv_cache, meta.slot_mapping)
-    return paged_attention_ref(
-        q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start, scale
-    )
+class AttentionBackend(ABC):
+    """Invariants: `build` is called once per step, outside any CUDA graph, and may read
+    host values; `forward` is called once per layer, reads only tensors and what
+    `build` returned, and must be capturable in a CUDA graph when the step is decode-only."""
+
+    name: str
+
+    @abstractmethod
+    def build(self, meta: AttentionMetadata) -> Any:
+        """The per-step state `forward` reads (the metadata itself, or more)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        state: Any,  # what build returned
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Store k/v at their slots, then attend over the paged cache."""
+
+
+def default_backend(device: torch.device) -> str:
+    has_triton = importlib.util.find_spec("triton") is not None
+    return "triton" if device.type == "cuda" and has_triton else "torch"
+
+
+def make_backend(
+    name: str | None, device: torch.device, block_size: int, num_kv_heads: int
+) -> AttentionBackend:
+    name = name or default_backend(device)
+    if name == "torch":
+        from tandem.engine.attention_torch import TorchAttention
+
+        return TorchAttention(block_size)
+    if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("attention_backend='triton' needs the triton package")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention_backend='triton' runs on CUDA (or on CPU under TRITON_INTERPRET=1); "
+                "use 'torch' on the CPU"
+            )
+        from tandem.engine.attention_triton import TritonAttention
+
+        return TritonAttention(device, block_size, num_kv_heads)
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")

@@ -201,6 +201,11 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # "torch" (the reference, any device) or "triton" (CUDA); None: triton on CUDA when
+    # Triton is installed, else torch.
+    attention_backend: str | None = None
+    # No CUDA graphs: every step runs eagerly (debugging, or to save their memory).
+    enforce_eager: bool = False
 
     def with_scheduler(self, **changes: Any) -> EngineConfig:
         return replace(self, scheduler=replace(self.scheduler, **changes))

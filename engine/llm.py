@@ -34,6 +34,8 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_model_len: int = 8192,
+        attention_backend: str | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -53,6 +55,8 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
             ),
+            attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

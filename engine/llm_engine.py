@@ -9,13 +9,16 @@ from dataclasses import replace
 import torch
 from tqdm import tqdm
 
+from tandem.engine.attention import make_backend
 from tandem.engine.block_hash import root_hash
 from tandem.engine.block_pool import BlockPool, EventHook
 from tandem.engine.config import EngineConfig
+from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.loader import load_model_config, load_tokenizer, load_weights, resolve_model
 from tandem.engine.model_runner import ModelRunner, num_kv_blocks
 from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.ops import ops_for
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampler import Sampler, SamplerOutput
@@ -41,8 +44,12 @@ class LLMEngine:
         self.model_config = mc = load_model_config(src)
         device = _resolve_device(config.device)
         torch.manual_seed(config.seed)
+        attention = make_backend(
+            config.attention_backend, device, config.cache.block_size, mc.num_kv_heads
+        )
+        self.attention_backend = attention.name
         with torch.device(device):
-            model = LlamaForCausalLM(mc).to(config.dtype)
+            model = LlamaForCausalLM(mc, attention, ops_for(attention.name)).to(config.dtype)
         if src.kind == "dummy":
             model.init_dummy_weights(config.seed)
         else:
@@ -66,8 +73,23 @@ class LLMEngine:
             cache.enable_prefix_caching,
         )
         self.block_pool = pool
-        self.scheduler = Scheduler(replace(config.scheduler, max_model_len=max_len), kv)
-        self.runner = ModelRunner(model, num_blocks, cache.block_size, Sampler(self.eos_token_ids))
+        sched = replace(config.scheduler, max_model_len=max_len)
+        self.scheduler = Scheduler(sched, kv)
+        self.runner = ModelRunner(
+            model, attention, Sampler(self.eos_token_ids), num_blocks, cache.block_size,
+            sched.max_num_seqs, sched.max_num_batched_tokens, max_len,
+        )
+        # Decode-only steps replay CUDA graphs; they need a backend whose per-layer work
+        # reads only tensors (triton), and cost memory and start-up time.
+        self.cuda_graphs = (
+            device.type == "cuda" and attention.name == "triton" and not config.enforce_eager
+        )
+        if self.cuda_graphs:
+            graphs = DecodeGraphs(
+                self.runner, min(sched.max_num_seqs, sched.max_num_batched_tokens)
+            )
+            graphs.capture()
+            self.runner.graphs = graphs
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Since start, for the node's metrics: prompt tokens computed here, and of the
@@ -301,6 +323,7 @@ class LLMEngine:
         self.num_prompt_tokens_cached += req.num_cached_tokens
         self.num_prompt_tokens_queried += req.num_prompt_tokens
         self.scheduler.finish(req, status)
+        self.runner.release(req.request_id)
         del self._requests[req.request_id]
         self._detok.pop(req.request_id, None)
 

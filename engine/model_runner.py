@@ -1,16 +1,32 @@
-"""Turns a scheduled batch into one flattened forward pass and returns sampled tokens."""
+"""Turns a scheduled batch into one forward pass over persistent device state and returns
+sampled tokens.
+
+Allocated once, updated in place:
+- the KV cache, with one block more than the pool hands out: the null block, which
+  padded rows write to and read from and nobody owns;
+- a device block table `[rows, W]`: a request keeps its row while it runs, and only
+  the blocks it gained since its last step are written into it; row 0 is all null;
+- one host buffer (pinned on CUDA) and its device twin holding every per-step input
+  (`StepLayout`): one host→device copy per step.
+Decode-only steps replay a CUDA graph (`cuda_graphs.py`) where one is captured.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from tandem.engine.attention import AttentionMetadata
+from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.config import CacheConfig, ModelConfig
 from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, SamplerOutput
 from tandem.engine.scheduler import ScheduledBatch
+
+NULL_ROW = 0
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -29,67 +45,232 @@ def num_kv_blocks(
         budget = free - (1 - cache.kv_cache_memory_fraction) * total
     else:
         budget = cache.kv_cache_bytes
-    blocks = int(budget // per_block)
+    blocks = int(budget // per_block) - 1  # one more is the null block
     if blocks < 1:
         raise ValueError(f"no memory left for the KV cache ({budget / 2**20:.0f} MiB budget)")
     return blocks
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each input of a step lies in the step buffer: sections packed back to back,
+    so a CUDA graph captured for a decode batch of B rows finds its inputs at the same
+    offsets every time (T = B = S there)."""
+
+    num_tokens: int  # T
+    num_seqs: int  # B
+    num_logits: int  # S: rows whose logits are sampled
+    num_updates: int  # K: block-table entries written this step
+
+    def offsets(self) -> dict[str, tuple[int, int]]:
+        t, b, s, k = self.num_tokens, self.num_seqs, self.num_logits, self.num_updates
+        sizes = {"ids": t, "positions": t, "slots": t, "seq_lens": b, "query_start": b + 1,
+                 "rows": b, "logits_rows": s, "update_at": k, "update_to": k}
+        out, at = {}, 0
+        for name, n in sizes.items():
+            out[name] = (at, at + n)
+            at += n
+        return out
+
+    @property
+    def size(self) -> int:
+        return 3 * self.num_tokens + 3 * self.num_seqs + 1 + self.num_logits + 2 * self.num_updates
+
+
+@dataclass(eq=False)
+class _Row:
+    index: int
+    num_synced: int  # leading block ids written into the device table
+    num_preemptions: int  # a preemption gives the request new blocks: resync
 
 
 class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
+        attention: AttentionBackend,
+        sampler: Sampler,
         num_blocks: int,
         block_size: int,
-        sampler: Sampler,
+        max_num_seqs: int,
+        max_num_tokens: int,
+        max_model_len: int,
     ) -> None:
         cfg = model.config
         p = next(model.parameters())
-        self.model, self.sampler = model, sampler
+        self.model, self.attention, self.sampler = model, attention, sampler
         self.device, self.dtype, self.block_size = p.device, p.dtype, block_size
-        # One tensor, a [2, num_blocks, block_size, H, D] view per layer: a KV transfer
+        self.max_model_len = max_model_len
+        self.max_num_tokens = max_num_tokens
+        # One tensor, a [2, num_blocks + 1, block_size, H, D] view per layer: a KV transfer
         # gathers and scatters a run of layers in one kernel (kvtransfer/staging.py).
-        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.null_block = num_blocks
+        shape = (cfg.num_layers, 2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = list(torch.zeros(shape, dtype=p.dtype, device=p.device).unbind(0))
+
+        self.width = -(-max_model_len // block_size)  # W: table columns
+        i32 = {"dtype": torch.int32, "device": self.device}
+        self.table = torch.full((max_num_seqs + 1, self.width), self.null_block, **i32)
+        self._rows: dict[str, _Row] = {}
+        self._free_rows = list(range(self.table.shape[0] - 1, NULL_ROW, -1))
+        # A step's block tables, gathered from the rows it uses: [max tokens, W].
+        self.step_tables = torch.empty((max_num_tokens, self.width), **i32)
+        cap = StepLayout(max_num_tokens, max_num_tokens, max_num_tokens, 0).size
+        self._update_capacity = max(4096, 2 * num_blocks)
+        cap += 2 * self._update_capacity
+        pinned = self.device.type == "cuda"
+        self.host = torch.zeros(cap, dtype=torch.int32, pin_memory=pinned)
+        self._host_np = self.host.numpy()
+        self.buffer = self.host if self.device.type == "cpu" else torch.zeros(cap, **i32)
+        # The last upload has left the host buffer (set on CUDA after each copy).
+        self._uploaded: torch.cuda.Event | None = None
+        self.graphs = None  # cuda_graphs.DecodeGraphs, set by the engine after capture
+
+    # --- rows of the persistent block table -------------------------------------------
+
+    def release(self, request_id: str) -> None:
+        """The request left the engine: its table row is free again."""
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            self._free_rows.append(row.index)
+
+    def _row(self, req: Request, updates: list[tuple[int, int]]) -> int:
+        row = self._rows.get(req.request_id)
+        if row is None:
+            if not self._free_rows:
+                self._grow_table()
+            row = self._rows[req.request_id] = _Row(self._free_rows.pop(), 0, 0)
+        if row.num_preemptions != req.num_preemptions:
+            row.num_synced, row.num_preemptions = 0, req.num_preemptions
+        blocks = req.block_ids
+        if len(blocks) > row.num_synced:
+            base = row.index * self.width
+            updates.extend(
+                (base + j, blocks[j]) for j in range(row.num_synced, len(blocks))
+            )
+            row.num_synced = len(blocks)
+        return row.index
+
+    def _grow_table(self) -> None:
+        # More requests run than max_num_seqs (a decode node's reserved requests join
+        # unscheduled): double the rows; the graphs read step_tables, not this.
+        old = self.table
+        self.table = torch.full((2 * old.shape[0], self.width), self.null_block,
+                                dtype=torch.int32, device=self.device)
+        self.table[: old.shape[0]] = old
+        self._free_rows.extend(range(self.table.shape[0] - 1, old.shape[0] - 1, -1))
+
+    # --- one step -------------------------------------------------------------------
 
     @torch.inference_mode()
     def run(
         self, batch: ScheduledBatch, on_layer: Callable[[int], None] | None = None
     ) -> SamplerOutput:
         """`on_layer(i)`: called once layer i's KV is written (see LlamaForCausalLM)."""
-        input_ids, positions, meta, logits_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, on_layer)
         sampling = batch.sampling_requests()
-        if not sampling:
-            return SamplerOutput([], [])
-        logits = self.model.compute_logits(hidden[logits_rows])
-        return self.sampler(logits.float(), sampling)
+        n = len(batch.requests)
+        bucket = None
+        decode_only = batch.num_tokens == n == len(sampling)
+        if self.graphs is not None and on_layer is None and decode_only:
+            bucket = self.graphs.bucket(n)
+        layout, max_seq_len = self._pack(batch, pad_to=bucket or n)
+        views = self._upload(layout)
+        if bucket is not None:
+            logits = self.graphs.replay(bucket)[:n]
+        else:
+            meta = AttentionMetadata(
+                slot_mapping=views["slots"], block_tables=self.step_tables[: layout.num_seqs],
+                seq_lens=views["seq_lens"], query_start=views["query_start"],
+                max_query_len=max(batch.num_new_tokens), max_seq_len=max_seq_len,
+            )
+            state = self.attention.build(meta)
+            hidden = self.model(views["ids"], views["positions"], self.kv_caches, state, on_layer)
+            if not sampling:
+                return SamplerOutput([], [])
+            if layout.num_logits != layout.num_tokens:
+                hidden = hidden[views["logits_rows"]]
+            logits = self.model.compute_logits(hidden)
+        return self.sampler(logits, sampling)
 
-    def _prepare(
-        self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _pack(self, batch: ScheduledBatch, pad_to: int) -> tuple[StepLayout, int]:
+        """Write the step's inputs into the host buffer; rows past the batch, up to
+        `pad_to`, are padding (a decode graph's bucket). Returns the layout and the
+        longest context."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
         query_start = [0]
+        rows: list[int] = []
         logits_rows: list[int] = []
-        for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+        updates: list[tuple[int, int]] = []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
-            ids += req.all_token_ids[start : start + n]
-            span = range(start, start + n)
-            pos += span
-            slots += [req.block_ids[p // bs] * bs + p % bs for p in span]
+            rows.append(self._row(req, updates))
+            blocks = req.block_ids
+            if n == 1:
+                prompt_len = len(req.prompt_token_ids)
+                ids.append(req.prompt_token_ids[start] if start < prompt_len
+                           else req.output_token_ids[start - prompt_len])
+                pos.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                p = np.arange(start, start + n)
+                ids += req.all_token_ids[start : start + n]
+                pos += range(start, start + n)
+                slots += (np.asarray(blocks)[p // bs] * bs + p % bs).tolist()
             seq_lens.append(start + n)
             query_start.append(query_start[-1] + n)
-            if batch.samples(i):
+            if start + n == req.num_tokens:
                 logits_rows.append(query_start[-1] - 1)
-        width = max(len(r.block_ids) for r in batch.requests)
-        tables = [r.block_ids + [0] * (width - len(r.block_ids)) for r in batch.requests]
+        max_seq_len = max(seq_lens)
+        for _ in range(pad_to - len(rows)):
+            ids.append(0)
+            pos.append(0)
+            slots.append(self.null_block * bs)
+            seq_lens.append(1)
+            query_start.append(query_start[-1] + 1)
+            rows.append(NULL_ROW)
+            logits_rows.append(query_start[-1] - 1)
+        if len(updates) > self._update_capacity:
+            self._write_updates(updates[self._update_capacity :])
+            updates = updates[: self._update_capacity]
+        layout = StepLayout(len(ids), len(rows), len(logits_rows), len(updates))
+        h, o = self._host_np, layout.offsets()
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the last copy has read the buffer
+        for name, values in (("ids", ids), ("positions", pos), ("slots", slots),
+                             ("seq_lens", seq_lens), ("query_start", query_start),
+                             ("rows", rows), ("logits_rows", logits_rows)):
+            a, b = o[name]
+            h[a:b] = values
+        if updates:
+            at, to = zip(*updates)
+            h[slice(*o["update_at"])] = at
+            h[slice(*o["update_to"])] = to
+        return layout, max_seq_len
 
-        def tensor(x: list) -> torch.Tensor:  # noqa: ANN001 - plain int lists
-            return torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)
+    def _upload(self, layout: StepLayout) -> dict[str, torch.Tensor]:
+        """One host→device copy, then the table entries and the step's table rows."""
+        size = layout.size
+        if self.buffer is not self.host:
+            self.buffer[:size].copy_(self.host[:size], non_blocking=True)
+            if self._uploaded is None:
+                self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
+        views = {name: self.buffer[a:b] for name, (a, b) in layout.offsets().items()}
+        if layout.num_updates:
+            self.table.view(-1)[views["update_at"]] = views["update_to"]
+        torch.index_select(self.table, 0, views["rows"],
+                           out=self.step_tables[: layout.num_seqs])
+        return views
 
-        meta = AttentionMetadata(tensor(slots), tensor(tables), seq_lens, query_start)
-        return tensor(ids), tensor(pos), meta, tensor(logits_rows)
+    def _write_updates(self, updates: list[tuple[int, int]]) -> None:
+        # More new table entries than the step buffer holds (many requests sharing a long
+        # cached prefix admitted at once): a separate, synchronous copy.
+        at, to = zip(*updates)
+        flat = self.table.view(-1)
+        flat[torch.tensor(at, device=self.device)] = torch.tensor(
+            to, dtype=torch.int32, device=self.device
+        )

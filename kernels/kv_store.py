@@ -1,8 +1,20 @@
-"""Write new K/V into the paged cache at their slots (torch reference)."""
+"""Write new K/V into the paged cache at their slots: a Triton kernel for CUDA (one
+program per token, no host sync, so it can sit inside a CUDA graph) and its torch
+reference.
+
+Several rows may share one slot (padded rows all aimed at the reserved null slot): what
+lands there is unspecified and never read; every other slot gets exactly its row.
+"""
 
 from __future__ import annotations
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build: the torch reference does the work
+    triton = None
 
 
 def store_kv_ref(
@@ -16,3 +28,48 @@ def store_kv_ref(
     flat = kv_cache.view(2, num_blocks * block_size, h, d)
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, Hkv, D], unit last stride (a view of a fused qkv is fine)
+    v: torch.Tensor,  # [T, Hkv, D], unit last stride
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D] contiguous
+    slot_mapping: torch.Tensor,  # [T] int32 or int64, slot = block_id * block_size + offset
+) -> None:
+    """`store_kv_ref` in one launch, cast to the cache dtype on the way."""
+    assert triton is not None, "Triton is not installed"
+    _, num_blocks, block_size, h, d = kv_cache.shape
+    t = k.shape[0]
+    assert k.shape == v.shape == (t, h, d), (k.shape, v.shape, kv_cache.shape)
+    assert k.stride(2) == 1 and v.stride(2) == 1, (k.stride(), v.stride())
+    assert kv_cache.is_contiguous(), kv_cache.stride()
+    assert slot_mapping.shape == (t,) and slot_mapping.dtype in (torch.int32, torch.int64), (
+        slot_mapping.shape, slot_mapping.dtype)
+    assert k.device == v.device == kv_cache.device == slot_mapping.device
+    if t == 0:
+        return
+    _store_kv_kernel[(t,)](
+        k, v, kv_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        num_blocks * block_size * h * d, h, d,
+        BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _store_kv_kernel(k, v, cache, slots, k_tok, k_head, v_tok, v_head,
+                         v_offset, heads, dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        # program t: all heads of token t. Cache offsets in int64: a cache is often more
+        # than 2**31 elements.
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slots + t).to(tl.int64)  # int32 slots: offsets pass 2**31
+        hs = tl.arange(0, BLOCK_H)[:, None]
+        ds = tl.arange(0, BLOCK_D)[None, :]
+        mask = (hs < heads) & (ds < dim)
+        dst = cache + slot * heads * dim + hs * dim + ds
+        key = tl.load(k + t * k_tok + hs * k_head + ds, mask=mask)
+        tl.store(dst, key.to(cache.dtype.element_ty), mask=mask)
+        val = tl.load(v + t * v_tok + hs * v_head + ds, mask=mask)
+        tl.store(dst + v_offset, val.to(cache.dtype.element_ty), mask=mask)

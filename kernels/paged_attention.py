@@ -8,6 +8,8 @@ already in the cache.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -19,23 +21,61 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     return cache[block_table[:num]].flatten(0, 1)[:length]
 
 
+@dataclass(frozen=True)
+class DecodeRows:
+    """The rows of a step with one query each, and what attending them needs; built once
+    per step, used by every layer."""
+
+    rows: torch.Tensor  # [R] indices into the batch (== query indices for decode rows)
+    queries: torch.Tensor  # [R] indices into T
+    table: torch.Tensor  # [R, cdiv(max_len, block_size)] block ids
+    max_len: int
+    mask: torch.Tensor | None  # [R, 1, 1, max_len] bool; None when every row is max_len long
+
+    @classmethod
+    def of(
+        cls,
+        block_tables: torch.Tensor,
+        seq_lens: list[int],
+        query_start: list[int],
+        block_size: int,
+    ) -> DecodeRows | None:
+        rows = [b for b in range(len(seq_lens)) if query_start[b + 1] - query_start[b] == 1]
+        if not rows:
+            return None
+        dev = block_tables.device
+        lens = [seq_lens[b] for b in rows]
+        max_len = max(lens)
+        rows_t = torch.tensor(rows, device=dev)
+        table = block_tables[rows_t, : -(-max_len // block_size)]
+        mask = None
+        if min(lens) < max_len:
+            lens_t = torch.tensor(lens, device=dev)
+            mask = (torch.arange(max_len, device=dev)[None, :] < lens_t[:, None])[:, None, None, :]
+        queries = torch.tensor([query_start[b] for b in rows], device=dev)
+        return cls(rows_t, queries, table, max_len, mask)
+
+
 def paged_attention_ref(
     q: torch.Tensor,  # [T, Hq, D]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
-    block_tables: torch.Tensor,  # [B, max_blocks] int64
+    block_tables: torch.Tensor,  # [B, max_blocks] int
     seq_lens: list[int],  # [B] tokens in context, the new ones included
     query_start: list[int],  # [B + 1] offsets into T
     scale: float,
+    decode: DecodeRows | None = None,  # precomputed once per step; built here if None
 ) -> torch.Tensor:
     hq, hkv = q.shape[1], kv_cache.shape[3]
     assert hq % hkv == 0, (hq, hkv)
     out = torch.empty_like(q)
-    q_lens = [query_start[b + 1] - query_start[b] for b in range(len(seq_lens))]
-    decode_rows = [b for b, n in enumerate(q_lens) if n == 1]
-    if decode_rows:
-        _decode_batched(q, kv_cache, block_tables, seq_lens, query_start, scale, decode_rows, out)
-    for b in (b for b, n in enumerate(q_lens) if n > 1):
+    if decode is None:
+        decode = DecodeRows.of(block_tables, seq_lens, query_start, kv_cache.shape[2])
+    if decode is not None:
+        _decode_batched(q, kv_cache, decode, scale, out)
+    for b in range(len(seq_lens)):
         start, end, length = query_start[b], query_start[b + 1], seq_lens[b]
+        if end - start <= 1:
+            continue
         k = _gather(kv_cache[0], block_tables[b], length)  # [L, Hkv, D]
         v = _gather(kv_cache[1], block_tables[b], length)
         out[start:end] = _attend(q[start:end], k, v, scale)
@@ -59,32 +99,21 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 
 
 def _decode_batched(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: list[int],
-    query_start: list[int],
-    scale: float,
-    rows: list[int],
-    out: torch.Tensor,
+    q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeRows, scale: float, out: torch.Tensor
 ) -> None:
-    """One query per sequence: pad K/V to the longest context and mask the rest."""
-    bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
-    groups = q.shape[1] // hkv
-    dev = q.device
-    lens = torch.tensor([seq_lens[b] for b in rows], device=dev)
-    max_len = max(seq_lens[b] for b in rows)
-    rows_t = torch.tensor(rows, device=dev)
-    table = block_tables[rows_t, : -(-max_len // bs)]  # [R, M]
-    k = kv_cache[0][table].flatten(1, 2)[:, :max_len]  # [R, L, Hkv, D]
-    v = kv_cache[1][table].flatten(1, 2)[:, :max_len]
-    qi = torch.tensor([query_start[b] for b in rows], device=dev)
-    qd = q[qi]  # [R, Hq, D]
+    """One query per row: pad K/V to the longest context and mask the rest."""
+    hkv = kv_cache.shape[3]
+    r = d.rows.shape[0]
+    k = kv_cache[0][d.table].flatten(1, 2)[:, : d.max_len]  # [R, L, Hkv, D]
+    v = kv_cache[1][d.table].flatten(1, 2)[:, : d.max_len]
+    qd = q[d.queries] if r != q.shape[0] else q  # [R, Hq, D]
     # A query group shares its K/V head: [R, Hkv, G, D] against [R, Hkv, L, D], no copies.
-    qg = qd.view(len(rows), hkv, groups, -1)
-    kg, vg = k.transpose(1, 2), v.transpose(1, 2)
-    mask = None
-    if min(seq_lens[b] for b in rows) < max_len:
-        mask = (torch.arange(max_len, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-    o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
-    out[qi] = o.reshape(len(rows), q.shape[1], -1).to(out.dtype)
+    qg = qd.view(r, hkv, q.shape[1] // hkv, -1)
+    o = F.scaled_dot_product_attention(
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=d.mask, scale=scale
+    )
+    o = o.reshape(r, q.shape[1], -1).to(out.dtype)
+    if r == q.shape[0]:
+        out.copy_(o)
+    else:
+        out[d.queries] = o

@@ -5,26 +5,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.attention import AttentionMetadata, paged_attention
+from tandem.engine.attention import AttentionBackend
 from tandem.engine.config import ModelConfig, RopeScaling
+from tandem.engine.ops import TORCH_OPS, Ops
+from tandem.kernels import rope
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops: Ops) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.ops = eps, ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the model dtype, as the reference does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalise in fp32 whatever the model dtype, as the reference does; with a
+        residual, add it first and return (normed, x + residual)."""
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -45,92 +49,97 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(medium, smoothed, scaled)
 
 
-class Rotary(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.register_buffer("inv_freq", inv, persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; rotate-half layout (the Hugging Face convention).
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def rope_cos_sin(config: ModelConfig) -> torch.Tensor:
+    """[max_positions, head_dim] fp32: cos(p * inv_freq) then sin(p * inv_freq), the
+    values the reference computes per step, computed once on the current device."""
+    inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    return rope.rope_cache(inv.to(torch.get_default_device()), config.max_position_embeddings)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, ops: Ops) -> None:
         super().__init__()
         d, hd = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_heads, config.num_kv_heads, hd,
         )
-        self.q_proj = nn.Linear(d, config.num_heads * hd, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(d, config.num_kv_heads * hd, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(d, config.num_kv_heads * hd, bias=config.qkv_bias)
+        # q, k and v in one GEMM; checkpoints' q_proj/k_proj/v_proj are concatenated at load.
+        out = (config.num_heads + 2 * config.num_kv_heads) * hd
+        self.qkv_proj = nn.Linear(d, out, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * hd, d, bias=False)
         self.scale = hd**-0.5
+        self.attention, self.ops = attention, ops
 
     def forward(
         self,
         x: torch.Tensor,  # [T, D]
-        rope: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,  # [T]
+        cos_sin: torch.Tensor,  # [P, hd] fp32
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        state: Any,  # the attention backend's per-step state
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, hd]
+        t, hd = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * hd]
+        q, k, v = qkv.split([self.num_heads * hd, self.num_kv_heads * hd,
+                             self.num_kv_heads * hd], dim=-1)
+        q, k, v = q.view(t, -1, hd), k.view(t, -1, hd), v.view(t, -1, hd)
+        self.ops.apply_rope_(q, k, positions, cos_sin)
+        o = self.attention.forward(q, k, v, kv_cache, state, self.scale)  # [T, Hq, hd]
         return self.o_proj(o.reshape(t, -1))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
+        # gate and up in one GEMM; concatenated at load like qkv.
+        self.gate_up_proj = nn.Linear(d, 2 * f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, ops: Ops) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = Attention(config, attention, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = MLP(config, ops)
 
-    def forward(self, x, rope, kv_cache, meta):  # noqa: ANN001, ANN201 - shapes as Attention
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, cos_sin, kv_cache, state):  # noqa: ANN001, ANN201
+        # The residual stream is carried beside x so each norm adds it in the same kernel:
+        # returns (mlp output, residual), whose sum is the layer's output.
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, cos_sin, kv_cache, state)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, ops: Ops) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = Rotary(config)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, attention, ops) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, attention: AttentionBackend, ops: Ops = TORCH_OPS
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaBody(config)
+        self.model = LlamaBody(config, attention, ops)
+        # A plain attribute, not a buffer: `.to(dtype)` must leave it in fp32.
+        self.cos_sin = rope_cos_sin(config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -139,18 +148,17 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
-        meta: AttentionMetadata,
+        state: Any,  # the attention backend's per-step state
         on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # hidden states [T, D]
         """`on_layer(i)` runs once layer i's KV is written (enqueued, on CUDA): a KV push
         sends it while the later layers compute."""
-        x = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary(positions, x.dtype)
+        x, residual = self.model.embed_tokens(input_ids), None
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
-            x = layer(x, rope, kv_cache, meta)
+            x, residual = layer(x, residual, positions, self.cos_sin, kv_cache, state)
             if on_layer is not None:
                 on_layer(i)
-        return self.model.norm(x)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V]
         weight = (
@@ -160,9 +168,17 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, weight)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Hugging Face names; q/k/v and gate/up are concatenated into the fused GEMMs."""
         weights = dict(weights)
         if self.config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
+        for i in range(self.config.num_layers):
+            attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            for suffix in ("weight", "bias"):
+                _concat(weights, f"{attn}qkv_proj.{suffix}",
+                        [f"{attn}{p}_proj.{suffix}" for p in "qkv"])
+            _concat(weights, f"{mlp}gate_up_proj.weight",
+                    [f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"])
         missing, unexpected = self.load_state_dict(weights, strict=False)
         if missing or unexpected:
             raise ValueError(
@@ -180,3 +196,9 @@ class LlamaForCausalLM(nn.Module):
             else:
                 std = 0.02 if p.dim() < 2 else 1.0 / math.sqrt(p.shape[-1])
                 p.normal_(0.0, std, generator=gen)
+
+
+def _concat(weights: dict[str, torch.Tensor], fused: str, parts: list[str]) -> None:
+    # A checkpoint missing a part keeps what it has: load_state_dict then names it.
+    if all(p in weights for p in parts):
+        weights[fused] = torch.cat([weights.pop(p) for p in parts])

@@ -1,0 +1,122 @@
+"""The prefill attention kernel (kernels/prefill_attention.py) against its torch reference,
+and that reference against the engine's (kernels/paged_attention.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.kernels.paged_attention import paged_attention_ref
+from tandem.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+PAGE = 16
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+# (context length, new tokens): a chunk after a cached prefix crossing page boundaries,
+# decode rows, a fresh prompt, a q_len 0 row in the middle and at the end.
+MIXED = [(37, 20), (23, 1), (19, 19), (30, 0), (16, 1), (40, 7), (9, 0)]
+
+
+def make_batch(lens: list[tuple[int, int]], hq: int, hkv: int, dim: int,
+               dtype: torch.dtype, device: str, g: torch.Generator, poison: bool = True
+               ) -> tuple[torch.Tensor, ...]:
+    """q, kv_cache, block_tables, seq_lens, query_start. Pages are shuffled over a cache
+    twice the size needed; the entries past each row's valid ones name unused pages.
+    With `poison`, unused pages and the slots past each context are NaN: a kernel that
+    reads one shows it in its output."""
+    need = [-(-length // PAGE) for length, _ in lens]
+    num_blocks = 2 * sum(need) + 2
+    width = max(need) + 2
+    ids = torch.randperm(num_blocks, generator=g)
+    used, spare = ids[: sum(need)].split(need), ids[sum(need):]
+    kv = torch.randn(2, num_blocks, PAGE, hkv, dim, generator=g)
+    tables = spare[torch.randint(len(spare), (len(lens), width), generator=g)]
+    for b, ((length, _), pages) in enumerate(zip(lens, used)):
+        tables[b, : len(pages)] = pages
+        if poison and length % PAGE:
+            kv[:, pages[-1], length % PAGE:] = float("nan")
+    if poison:
+        kv[:, spare] = float("nan")
+    q_lens = [n for _, n in lens]
+    q = torch.randn(sum(q_lens), hq, dim, generator=g)
+    starts = torch.tensor([0, *q_lens]).cumsum(0)
+    return (q.to(dtype).to(device), kv.to(dtype).to(device),
+            tables.to(torch.int32).to(device),
+            torch.tensor([length for length, _ in lens], dtype=torch.int32, device=device),
+            starts.to(torch.int32).to(device))
+
+
+def check(lens: list[tuple[int, int]], hq: int, hkv: int, dim: int, dtype: torch.dtype,
+          device: str, g: torch.Generator, extra_tiles: int = 0) -> None:
+    q, kv, tables, seq_lens, starts = make_batch(lens, hq, hkv, dim, dtype, device, g)
+    scale = dim ** -0.5
+    want = prefill_attention_ref(q, kv, tables, seq_lens, starts, scale)
+    # Two rows past T catch a q_len 0 row at the end that writes.
+    buf = torch.full((q.shape[0] + 2, hq, dim), 7.0, dtype=dtype, device=device)
+    max_q = max(n for _, n in lens) + extra_tiles
+    got = prefill_attention(q, kv, tables, seq_lens, starts, max_q, scale, out=buf[:-2])
+    assert got.data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[-2:], torch.full_like(buf[-2:], 7.0))
+    tol = TOLERANCE[dtype]
+    assert not want.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol,
+                               msg=lambda m: f"{lens} {hq}/{hkv} D{dim} {dtype}: {m}")
+
+
+def compare(device: str) -> None:
+    """Triton kernel == torch reference over GQA ratios 1/3/4/8, head dims 64 and 128,
+    fp32/fp16 (and bf16 on CUDA), on a mixed batch; on CUDA also Llama-3-8B heads at
+    lengths that span several of the production tiles, and one 16k-token prompt."""
+    g = torch.Generator().manual_seed(0)
+    # Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton
+    # #11584, not supported there): bf16 is checked on CUDA only.
+    dtypes = [d for d in TOLERANCE if device == "cuda" or d != torch.bfloat16]
+    cases = [(dtype, dim, groups) for dtype in dtypes for dim in (64, 128)
+             for groups in (1, 3, 4, 8)]
+    for i, (dtype, dim, groups) in enumerate(cases):
+        hkv = 2 if groups < 4 else 1
+        check(MIXED, groups * hkv, hkv, dim, dtype, device, g, extra_tiles=i % 2)
+    if device != "cuda":
+        return
+    long = [(700, 600), (300, 300), (1000, 1), (129, 65), (64, 0), (2048, 2048)]
+    for dtype in TOLERANCE:
+        check(long, 32, 8, 128, dtype, device, g)
+        check(long, 12, 4, 64, dtype, device, g, extra_tiles=100)
+    check([(16384, 16384)], 2, 1, 128, torch.bfloat16, device, g)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_kernel_matches_reference_under_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when triton.jit decorates
+    code = "from test_kernel_prefill_attention import compare; compare('cpu')"
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA")
+def test_kernel_matches_reference_on_cuda() -> None:
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference is exact too
+    try:
+        compare("cuda")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def test_reference_matches_the_engine_reference() -> None:
+    """Same numbers as paged_attention_ref on a mixed batch (no NaN: the engine's decode
+    path reads padded pages and masks them)."""
+    g = torch.Generator().manual_seed(1)
+    q, kv, tables, seq_lens, starts = make_batch(MIXED, 8, 2, 64, torch.float32, "cpu", g,
+                                                 poison=False)
+    want = paged_attention_ref(q, kv, tables.long(), seq_lens.tolist(), starts.tolist(),
+                               0.125)
+    got = prefill_attention_ref(q, kv, tables, seq_lens, starts, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
