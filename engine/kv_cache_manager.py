@@ -44,6 +44,8 @@ class KVCacheManager:
         become its first blocks). False, with nothing changed, when blocks run out."""
         total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
         need = cdiv(total, self.block_size) - len(req.block_ids) - len(hits)
+        if need <= 0 and not hits:
+            return True  # most decode steps: the last block has room
         # Free cache hits count as free blocks; taking them does not make new room.
         free_hits = sum(1 for b in hits if b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - free_hits:
@@ -63,11 +65,11 @@ class KVCacheManager:
         """Register the request's newly full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        tokens = req.all_token_ids
-        num_full = min(req.num_computed_tokens, len(tokens)) // self.block_size
+        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
         start = self._num_cached_blocks.get(req.request_id, 0)
         if num_full <= start:
-            return
+            return  # every step of a decode lands here: nothing is copied
+        tokens = req.all_token_ids
         self._update_hashes(req, tokens)
         bs = self.block_size
         for i in range(start, num_full):

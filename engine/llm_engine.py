@@ -242,10 +242,13 @@ class LLMEngine:
         if not batch.requests:
             return []
         sampling = batch.sampling_requests()  # before postprocess advances the counts
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            start = req.num_computed_tokens
-            self.num_prompt_tokens_computed += max(0, min(start + n, req.num_prompt_tokens) - start)
-        sampled = self.runner.run(batch, self._layer_callback(batch))
+        if batch.num_tokens != len(batch.requests):  # a decode computes no prompt token
+            for req, n in zip(batch.requests, batch.num_new_tokens):
+                start = req.num_computed_tokens
+                self.num_prompt_tokens_computed += max(
+                    0, min(start + n, req.num_prompt_tokens) - start
+                )
+        sampled = self.runner.run(batch, sampling, self._layer_callback(batch))
         self.scheduler.postprocess(batch)
         return self._append(sampling, sampled)
 

@@ -164,10 +164,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(
-        self, batch: ScheduledBatch, on_layer: Callable[[int], None] | None = None
+        self,
+        batch: ScheduledBatch,
+        sampling: list[Request],
+        on_layer: Callable[[int], None] | None = None,
     ) -> SamplerOutput:
-        """`on_layer(i)`: called once layer i's KV is written (see LlamaForCausalLM)."""
-        sampling = batch.sampling_requests()
+        """`sampling`: `batch.sampling_requests()`, before the step advances any count.
+        `on_layer(i)`: called once layer i's KV is written (see LlamaForCausalLM)."""
         n = len(batch.requests)
         bucket = None
         decode_only = batch.num_tokens == n == len(sampling)

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from tandem.engine.request import Request
 
 
-@dataclass(frozen=True)
+# Not frozen: one is made per request per step, and a frozen init costs twice as much.
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,6 +53,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     # Per-request RNG for seeded sampling; the sampler creates it on the logits' device.
     generator: torch.Generator | None = None
+    # Prompt and output token counts for penalties, updated incrementally by the sampler.
+    penalty_counts: Any = None
     output_text: str = ""
     stop_reason: int | str | None = None
     num_preemptions: int = 0

@@ -7,11 +7,9 @@ generator, so their tokens don't depend on what else is in the batch.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from tandem.engine.request import Request
@@ -76,14 +74,15 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
         return
     reqs = [requests[i] for i in rows]
     sub = logits[rows]  # [R, V]
-    dev, vocab = logits.device, logits.shape[1]
-    out_counts = _token_counts([r.output_token_ids for r in reqs], vocab, dev)
+    counts = [_penalty_counts(r, logits.shape[1], logits.device) for r in reqs]
+    dev = logits.device
+    out_counts = torch.stack([c.output for c in counts])  # [R, V]
     out_seen = out_counts > 0
 
     if any(r.params.repetition_penalty != 1.0 for r in reqs):
         rep = _column([r.params.repetition_penalty for r in reqs], dev)
         # Repetition covers prompt and output; frequency/presence cover the output only.
-        seen = out_seen | (_token_counts([r.prompt_token_ids for r in reqs], vocab, dev) > 0)
+        seen = out_seen | torch.stack([_prompt_seen(r, c) for r, c in zip(reqs, counts)])
         factor = torch.where(seen, rep, 1.0)
         sub = torch.where(sub > 0, sub / factor, sub * factor)
     sub -= _column([r.params.frequency_penalty for r in reqs], dev) * out_counts
@@ -91,19 +90,34 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     logits[rows] = sub
 
 
-def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    # -> [R, V] float32 occurrence counts. Flattened through numpy: converting nested
-    # Python lists is the slow part for long prompts.
-    lengths = [len(t) for t in token_lists]
-    total = sum(lengths)
-    flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=total)
-    tokens = torch.from_numpy(flat).to(device)
-    rows = torch.arange(len(lengths), device=device).repeat_interleave(
-        torch.tensor(lengths, device=device), output_size=total
-    )
-    counts = torch.zeros(len(lengths), vocab, device=device)
-    counts.index_put_((rows, tokens), torch.ones(total, device=device), accumulate=True)
-    return counts
+@dataclass(eq=False)
+class PenaltyCounts:
+    """A penalized request's token counts on the logits' device, kept on the request and
+    brought up to date each step with only the tokens sampled since."""
+
+    output: torch.Tensor  # [V] float32 occurrences in the output
+    num_counted: int = 0  # output tokens already in `output`
+    prompt_seen: torch.Tensor | None = None  # [V] bool, once a repetition penalty asks
+
+
+def _prompt_seen(req: Request, c: PenaltyCounts) -> torch.Tensor:
+    if c.prompt_seen is None:
+        seen = torch.zeros_like(c.output, dtype=torch.bool)
+        seen[torch.tensor(req.prompt_token_ids, device=seen.device)] = True
+        c.prompt_seen = seen
+    return c.prompt_seen
+
+
+def _penalty_counts(req: Request, vocab: int, device: torch.device) -> PenaltyCounts:
+    c = req.penalty_counts
+    if c is None or c.output.shape[0] != vocab or c.output.device != device:
+        c = req.penalty_counts = PenaltyCounts(torch.zeros(vocab, device=device))
+    new = req.output_token_ids[c.num_counted :]
+    if new:
+        ids = torch.tensor(new, device=device)
+        c.output.index_put_((ids,), torch.ones(len(new), device=device), accumulate=True)
+        c.num_counted += len(new)
+    return c
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

@@ -26,9 +26,9 @@ class ScheduledBatch:
         req = self.requests[i]
         return req.num_computed_tokens + self.num_new_tokens[i] == req.num_tokens
 
-
     def sampling_requests(self) -> list[Request]:
-        return [r for i, r in enumerate(self.requests) if self.samples(i)]
+        return [r for r, n in zip(self.requests, self.num_new_tokens)
+                if r.num_computed_tokens + n == r.num_tokens]
 
 
 class Scheduler:

@@ -124,6 +124,23 @@ def test_penalties_exact() -> None:
     assert logits[1].tolist() == [2.0, -1.0, 0.5, -0.5, 3.0, 0.0, 1.0]
 
 
+def test_penalty_counts_follow_the_output_step_by_step() -> None:
+    """Counts are kept on the request and only the new tokens are added each step: after
+    every step they give what a request built fresh with the same output gives."""
+    params = dict(repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.1)
+    running = _req(prompt=[0, 5], **params)
+    base = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0, 1.0]])
+    for new in ([2], [2, 3], [], [6, 6, 2]):
+        running.output_token_ids.extend(new)
+        kept, fresh = base.clone(), base.clone()
+        _apply_penalties(kept, [running])
+        _apply_penalties(fresh, [_req(prompt=[0, 5], output=running.output_token_ids,
+                                      **params)])
+        assert torch.equal(kept, fresh), running.output_token_ids
+    assert running.penalty_counts.num_counted == 6
+    assert running.penalty_counts.output.tolist() == [0, 0, 3, 1, 0, 0, 2]
+
+
 def test_frequency_and_presence_ignore_the_prompt() -> None:
     logits = torch.tensor([[1.0, 0.9, 0.0]] * 2)
     reqs = [
