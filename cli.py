@@ -24,6 +24,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV block (default: %(default)s)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache size in blocks (default: sized from memory)")
+    g.add_argument("--gpu-memory-fraction", type=float, default=0.85,
+                   help="on CUDA, the share of the GPU's memory the engine may hold: weights, "
+                        "KV cache and activations; the KV cache takes what the weights leave "
+                        "of it (default: %(default)s)")
+    g.add_argument("--attention-backend", default=None, choices=["torch", "triton"],
+                   help="torch: the reference, any device; triton: paged Triton kernels on "
+                        "CUDA (default: triton on CUDA, torch on the CPU)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run every step eagerly instead of replaying CUDA graphs for "
+                        "decode-only steps (slower; saves start-up time and graph memory)")
     g.add_argument("--max-num-seqs", type=int, default=64,
                    help="most requests running at once (default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,

@@ -7,6 +7,7 @@ small warmup before the timed run.
     python benchmarks/offline_throughput.py                  # SmolLM2-135M, fp32, cpu
     python benchmarks/offline_throughput.py --model llama-3-8b --load-format dummy \\
         --device cuda --dtype bfloat16
+    python benchmarks/offline_throughput.py --batch-sizes 1,8   # one comparison per size
 
 With --load-format dummy both sides have random weights of the same shape, but not the same
 weights: the token streams differ, the work per token does not.
@@ -22,7 +23,7 @@ import os
 import platform
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from tandem.engine.loader import hf_model_dir, load_model_config, resolve_model
 _SPECIAL_MARGIN = 100
 _WARMUP_PROMPTS = 4
 _WARMUP_TOKENS = 4
+_WARMUP_MAX_LEN = 32
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,37 @@ class Result:
             **asdict(self),
             "generated_tok_s": self.generated_tok_s,
             "total_tok_s": self.total_tok_s,
+        }
+
+
+@dataclass
+class Run:
+    """One workload (a batch of prompts) and what each system made of it."""
+
+    prompts: list[list[int]]
+    results: list[Result] = field(default_factory=list)
+    token_ids: dict[str, list[list[int]]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def tandem_over_hf(self) -> float | None:
+        rates = {r.system: r.generated_tok_s for r in self.results}
+        return rates["tandem"] / rates["hf"] if len(rates) == 2 else None
+
+    def add(self, result: Result, token_ids: list[list[int]]) -> None:
+        self.results.append(result)
+        self.token_ids[result.system] = token_ids
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "num_prompts": self.num_prompts,
+            "results": [r.to_json() for r in self.results],
+            "tandem_over_hf_generated_tok_s": self.tandem_over_hf,
+            "notes": self.notes,
         }
 
 
@@ -123,6 +156,15 @@ def parse_args() -> argparse.Namespace:
         "are formed from length-sorted prompts to cut padding "
         "(default: all prompts in one batch)",
     )
+    p.add_argument(
+        "--batch-sizes",
+        type=parse_batch_sizes,
+        default=None,
+        metavar="N,N,...",
+        help="run the comparison once per batch size, each with that many prompts in one "
+        "generate call per system (HF: one batch unless --hf-batch-size), each model "
+        "loaded once; replaces --num-prompts (e.g. 1,8)",
+    )
     p.add_argument("--skip-hf", action="store_true", help="time Tandem only")
     p.add_argument(
         "--json",
@@ -141,6 +183,17 @@ def parse_args() -> argparse.Namespace:
     if args.hf_batch_size is not None and args.hf_batch_size < 1:
         p.error("--hf-batch-size must be >= 1")
     return args
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """Parse "1,8,32" into [1, 8, 32]; an argparse type."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1: {text!r}")
+    return sizes
 
 
 def make_prompts(n: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -170,39 +223,38 @@ def free_memory(device: str) -> None:
 # --- Tandem --------------------------------------------------------------------------
 
 
-def run_tandem(
-    args: argparse.Namespace, prompts: list[list[int]], warmup: list[list[int]]
-) -> tuple[Result, list[list[int]], dict[str, int]]:
-    llm = LLM(
+def load_tandem(args: argparse.Namespace) -> LLM:
+    return LLM(
         args.model,
         dtype=args.dtype,
         device=args.device,
         load_format=args.load_format,
         seed=args.seed,
     )
-    llm.generate(warmup, _tandem_params(_WARMUP_TOKENS))
+
+
+def run_tandem(llm: LLM, args: argparse.Namespace, run: Run, warmup: list[list[int]]) -> None:
+    llm.generate(warmup, tandem_params(_WARMUP_TOKENS))
     engine = llm.engine
     preemptions_before = engine.scheduler.num_preemptions
 
     synchronize(args.device)
     start = time.perf_counter()
-    outs = llm.generate(prompts, _tandem_params(args.output_len))
+    outs = llm.generate(run.prompts, tandem_params(args.output_len))
     synchronize(args.device)
     wall = time.perf_counter() - start
 
     token_ids = [o.token_ids for o in outs]
-    _check_lengths("tandem", token_ids, args.output_len)
-    stats = {
-        "kv_blocks": engine.block_pool.num_blocks,
-        "preemptions": engine.scheduler.num_preemptions - preemptions_before,
-        "prefix_cached_tokens": sum(o.num_cached_tokens for o in outs),
-    }
-    del llm, engine, outs
-    free_memory(args.device)
-    return _result("tandem", wall, prompts, token_ids), token_ids, stats
+    check_lengths("tandem", token_ids, args.output_len)
+    run.add(_result("tandem", wall, run.prompts, token_ids), token_ids)
+    run.notes.append(
+        f"tandem: {engine.block_pool.num_blocks} KV blocks, "
+        f"{engine.scheduler.num_preemptions - preemptions_before} preemptions, "
+        f"{sum(o.num_cached_tokens for o in outs)} prefix-cached prompt tokens"
+    )
 
 
-def _tandem_params(max_tokens: int) -> SamplingParams:
+def tandem_params(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
@@ -226,24 +278,27 @@ def load_hf(args: argparse.Namespace) -> torch.nn.Module:
     return model.to(args.device).eval()
 
 
+def hf_pad_token_id(model: torch.nn.Module) -> int:
+    pad = model.generation_config.pad_token_id
+    return pad if isinstance(pad, int) else 0
+
+
 def run_hf(
-    model: torch.nn.Module,
-    args: argparse.Namespace,
-    prompts: list[list[int]],
-    warmup: list[list[int]],
-    pad_token_id: int,
-) -> tuple[Result, list[list[int]]]:
-    hf_generate(model, warmup, _WARMUP_TOKENS, len(warmup), pad_token_id)
-    batch_size = args.hf_batch_size or len(prompts)
+    model: torch.nn.Module, args: argparse.Namespace, run: Run, warmup: list[list[int]]
+) -> None:
+    pad = hf_pad_token_id(model)
+    hf_generate(model, warmup, _WARMUP_TOKENS, len(warmup), pad)
+    batch_size = args.hf_batch_size or run.num_prompts
 
     synchronize(args.device)
     start = time.perf_counter()
-    token_ids = hf_generate(model, prompts, args.output_len, batch_size, pad_token_id)
+    token_ids = hf_generate(model, run.prompts, args.output_len, batch_size, pad)
     synchronize(args.device)
     wall = time.perf_counter() - start
 
-    _check_lengths("hf", token_ids, args.output_len)
-    return _result("hf", wall, prompts, token_ids), token_ids
+    check_lengths("hf", token_ids, args.output_len)
+    run.add(_result("hf", wall, run.prompts, token_ids), token_ids)
+    run.notes.append(f"hf: batch size {batch_size}, left padded")
 
 
 @torch.inference_mode()
@@ -284,7 +339,7 @@ def hf_generate(
 # --- Reporting -----------------------------------------------------------------------
 
 
-def _check_lengths(system: str, token_ids: list[list[int]], output_len: int) -> None:
+def check_lengths(system: str, token_ids: list[list[int]], output_len: int) -> None:
     bad = [i for i, t in enumerate(token_ids) if len(t) != output_len]
     if bad:
         raise RuntimeError(
@@ -308,17 +363,16 @@ def machine() -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
+    for name in ("transformers", "triton"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:
+            pass
     return info
 
 
 def print_report(
-    args: argparse.Namespace, info: dict[str, Any], results: list[Result], notes: list[str]
+    args: argparse.Namespace, info: dict[str, Any], runs: list[Run], notes: list[str]
 ) -> None:
     print(
         f"machine : {info['cpu_count']} cpus ({info['torch_threads']} torch threads)"
@@ -330,17 +384,28 @@ def print_report(
         f"model   : {args.model} (load_format={args.load_format}), dtype={args.dtype}, "
         f"device={args.device}"
     )
+    counts = ", ".join(str(r.num_prompts) for r in runs)
     print(
-        f"workload: {args.num_prompts} prompts of {args.min_len}..{args.max_len} tokens "
+        f"workload: {counts} prompts of {args.min_len}..{args.max_len} tokens "
         f"(seed {args.seed}), {args.output_len} generated tokens each, greedy, EOS ignored"
     )
     print()
-    print(f"{'system':<8} {'wall s':>9} {'gen tok/s':>11} {'total tok/s':>12}")
-    for r in results:
-        print(f"{r.system:<8} {r.wall_s:>9.2f} {r.generated_tok_s:>11.1f} {r.total_tok_s:>12.1f}")
-    if len(results) == 2:
-        ratio = results[0].generated_tok_s / results[1].generated_tok_s
-        print(f"\ntandem/hf generated tok/s: {ratio:.2f}x")
+    print(f"{'system':<8} {'prompts':>7} {'wall s':>9} {'gen tok/s':>11} {'total tok/s':>12}")
+    for run in runs:
+        for r in run.results:
+            print(
+                f"{r.system:<8} {run.num_prompts:>7} {r.wall_s:>9.2f} "
+                f"{r.generated_tok_s:>11.1f} {r.total_tok_s:>12.1f}"
+            )
+    print()
+    for run in runs:
+        if run.tandem_over_hf is not None:
+            print(
+                f"tandem/hf generated tok/s at {run.num_prompts} prompts: {run.tandem_over_hf:.2f}x"
+            )
+    for run in runs:
+        for note in run.notes:
+            print(f"note: [{run.num_prompts} prompts] {note}")
     for note in notes:
         print(f"note: {note}")
 
@@ -348,61 +413,66 @@ def print_report(
 def main() -> None:
     args = parse_args()
     vocab = model_config(args).vocab_size
-    prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, vocab, args.seed)
-    # Warmup prompts from another seed: as prefixes of the timed prompts they would seed
-    # Tandem's prefix cache.
-    warmup = make_prompts(
-        _WARMUP_PROMPTS, args.min_len, min(args.max_len, 32), vocab, args.seed + 1
-    )
-    notes = [
-        f"prompt tokens {sum(map(len, prompts))}, "
-        f"generated tokens {args.num_prompts * args.output_len} per system (verified)"
+    # Each batch size its own seed, so no run's prompts are prefixes of another's.
+    runs = [
+        Run(make_prompts(n, args.min_len, args.max_len, vocab, args.seed + 100 * i))
+        for i, n in enumerate(args.batch_sizes or [args.num_prompts])
     ]
-
-    tandem_result, tandem_ids, stats = run_tandem(args, prompts, warmup)
-    notes.append(
-        f"tandem: {stats['kv_blocks']} KV blocks, {stats['preemptions']} preemptions, "
-        f"{stats['prefix_cached_tokens']} prefix-cached prompt tokens"
+    # Warmup prompts from another seed: as prefixes of the timed prompts they would seed
+    # Tandem's prefix cache. Short ones: a warmup only needs to run every code path.
+    warmup_len = min(args.max_len, _WARMUP_MAX_LEN)
+    warmup = make_prompts(
+        _WARMUP_PROMPTS, min(args.min_len, warmup_len), warmup_len, vocab, args.seed + 1
     )
-    results = [tandem_result]
+    for run in runs:
+        run.notes.append(
+            f"prompt tokens {sum(map(len, run.prompts))}, "
+            f"generated tokens {run.num_prompts * args.output_len} per system (verified)"
+        )
+    notes: list[str] = []
+
+    llm = load_tandem(args)
+    for run in runs:
+        run_tandem(llm, args, run, warmup)
+    del llm
+    free_memory(args.device)
 
     if not args.skip_hf:
         model = load_hf(args)
-        pad = model.generation_config.pad_token_id
-        pad = pad if isinstance(pad, int) else 0
-        attn = model.config._attn_implementation
-        hf_result, hf_ids = run_hf(model, args, prompts, warmup, pad)
-        results.append(hf_result)
+        notes.append(f"hf: attention={model.config._attn_implementation}")
+        for run in runs:
+            run_hf(model, args, run, warmup)
         del model
         free_memory(args.device)
-        batch = args.hf_batch_size or args.num_prompts
-        notes.append(f"hf: batch size {batch}, left padded, attention={attn}")
         if args.load_format == "dummy":
             notes.append(
                 "dummy weights: same shapes, different random weights on each side, "
                 "so the outputs are not compared"
             )
         else:
-            same = sum(a == b for a, b in zip(tandem_ids, hf_ids))
-            notes.append(
-                f"identical greedy outputs: {same}/{len(prompts)} "
-                "(padding and batching can flip near-ties)"
-            )
+            for run in runs:
+                same = sum(a == b for a, b in zip(run.token_ids["tandem"], run.token_ids["hf"]))
+                run.notes.append(
+                    f"identical greedy outputs: {same}/{run.num_prompts} "
+                    "(padding and batching can flip near-ties)"
+                )
 
     info = machine()
-    print_report(args, info, results, notes)
+    print_report(args, info, runs, notes)
     if args.json is not None:
-        payload = {
+        payload: dict[str, Any] = {
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "machine": info,
-            "results": [r.to_json() for r in results],
-            "tandem_over_hf_generated_tok_s": (
-                results[0].generated_tok_s / results[1].generated_tok_s
-                if len(results) == 2
-                else None
-            ),
-            "notes": notes,
         }
+        if args.batch_sizes:
+            payload |= {"runs": [run.to_json() for run in runs], "notes": notes}
+        else:  # the single-run layout of earlier result files
+            one = runs[0].to_json()
+            payload |= {
+                "results": one["results"],
+                "tandem_over_hf_generated_tok_s": one["tandem_over_hf_generated_tok_s"],
+                "notes": one["notes"] + notes,
+            }
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.json}")
 

@@ -22,6 +22,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.num_kv_blocks,
+            kv_cache_memory_fraction=args.gpu_memory_fraction,
             enable_prefix_caching=not args.no_prefix_caching,
         ),
         scheduler=SchedulerConfig(
@@ -29,6 +30,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
         ),
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
     )
 
 

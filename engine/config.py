@@ -174,6 +174,10 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(
+                f"the GPU memory fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,8 @@ class LLMEngine:
         )
         self.attention_backend = attention.name
         with torch.device(device):
-            model = LlamaForCausalLM(mc, attention, ops_for(attention.name)).to(config.dtype)
+            ops = ops_for(attention.name, device)
+            model = LlamaForCausalLM(mc, attention, ops).to(config.dtype)
         if src.kind == "dummy":
             model.init_dummy_weights(config.seed)
         else:

@@ -93,7 +93,12 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
              "--device", args.device, "--block-size", str(args.block_size),
              "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
+             "--max-model-len", str(args.max_model_len), "--seed", str(args.seed),
+             "--gpu-memory-fraction", str(args.gpu_memory_fraction)]
+    if args.attention_backend is not None:
+        flags += ["--attention-backend", args.attention_backend]
+    if args.enforce_eager:
+        flags.append("--enforce-eager")
     if args.num_kv_blocks is not None:
         flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.no_prefix_caching:

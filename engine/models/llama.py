@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.attention import AttentionBackend
@@ -79,13 +78,13 @@ class Attention(nn.Module):
         state: Any,  # the attention backend's per-step state
     ) -> torch.Tensor:
         t, hd = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * hd]
+        qkv = self.ops.linear(x, self.qkv_proj)  # [T, (Hq + 2 Hkv) * hd]
         q, k, v = qkv.split([self.num_heads * hd, self.num_kv_heads * hd,
                              self.num_kv_heads * hd], dim=-1)
         q, k, v = q.view(t, -1, hd), k.view(t, -1, hd), v.view(t, -1, hd)
         self.ops.apply_rope_(q, k, positions, cos_sin)
         o = self.attention.forward(q, k, v, kv_cache, state, self.scale)  # [T, Hq, hd]
-        return self.o_proj(o.reshape(t, -1))
+        return self.ops.linear(o.reshape(t, -1), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -98,7 +97,8 @@ class MLP(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        return self.ops.linear(self.ops.silu_mul(self.ops.linear(x, self.gate_up_proj)),
+                               self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -138,6 +138,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaBody(config, attention, ops)
+        self.ops = ops
         # A plain attribute, not a buffer: `.to(dtype)` must leave it in fp32.
         self.cos_sin = rope_cos_sin(config)
         if not config.tie_word_embeddings:
@@ -165,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
             self.model.embed_tokens.weight if self.config.tie_word_embeddings
             else self.lm_head.weight
         )
-        return F.linear(hidden, weight)
+        return self.ops.linear_weight(hidden, weight)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Hugging Face names; q/k/v and gate/up are concatenated into the fused GEMMs."""
