@@ -34,6 +34,15 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
 
+def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[N, D] x [V, D] -> [N, V] in float32, accumulated in fp32 and never rounded to a half
+    type: bf16 logits are 0.125 apart near 20, so two tokens tie often and the greedy
+    pick would follow rounding noise rather than the model."""
+    if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    return F.linear(hidden, weight)
+
+
 @dataclass(frozen=True)
 class Ops:
     # (x [T, H], weight, eps, residual [T, H] | None) -> normed, or (normed, x + residual)
@@ -42,9 +51,10 @@ class Ops:
     apply_rope_: Callable
     # (gate_up [T, 2F]) -> silu(gate) * up [T, F]
     silu_mul: Callable
-    # (x [T, in], nn.Linear) -> [T, out]; and (x, weight) -> x @ weight^T
+    # (x [T, in], nn.Linear) -> [T, out]
     linear: Callable = linear
-    linear_weight: Callable = F.linear
+    # (hidden [N, D], embedding [V, D]) -> logits [N, V]
+    logits: Callable = logits_fp32
 
 
 TORCH_OPS = Ops(rms_norm.rms_norm_ref, rope.apply_rope_ref_, silu_mul.silu_mul_ref)

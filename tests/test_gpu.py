@@ -5,6 +5,8 @@ greedy token at >= 99% of 2,000 decode steps. Skipped without CUDA."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from hf_reference import hf_greedy
@@ -12,6 +14,8 @@ from prompts import CHAT, LONG_CHAT, LONG_RAW, RAW
 from transformers import AutoModelForCausalLM
 
 from tandem import LLM, SamplingParams
+from tandem.engine.llm_engine import run_to_completion
+from tandem.engine.sampler import Sampler, SamplerOutput
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,24 +56,58 @@ def test_cuda_matches_hugging_face(smollm2_path) -> None:  # noqa: ANN001
     assert not mismatches, f"batched: prompts {mismatches} differ"
 
 
+class TeacherForcing:
+    """Wraps an engine's real sampler: records the token it picks for each request, then
+    hands back the token another run produced at that position instead, so every step of
+    this run starts from the other run's prefix."""
+
+    def __init__(self, sampler: Sampler, forced: dict[str, list[int]]) -> None:
+        self.sampler, self.forced = sampler, forced
+        self.picked: dict[str, list[int]] = {rid: [] for rid in forced}
+        # Per step: the logit of the token forced minus the top logit (0 where they agree).
+        self.shortfall: dict[str, list[float]] = {rid: [] for rid in forced}
+
+    def __call__(self, logits: torch.Tensor, requests: list) -> SamplerOutput:  # noqa: ANN001
+        out = self.sampler(logits, requests)
+        forced = [self.forced[r.request_id][r.num_output_tokens] for r in requests]
+        rows = logits.float()
+        gaps = (rows.gather(1, torch.tensor(forced, device=rows.device)[:, None])[:, 0]
+                - rows.amax(dim=1)).tolist()
+        for req, token, gap in zip(requests, out.token_ids, gaps):
+            self.picked[req.request_id].append(token)
+            self.shortfall[req.request_id].append(gap)
+        return SamplerOutput(forced, out.logprobs)
+
+
 def test_bf16_triton_agrees_with_torch() -> None:
-    """Teacher-forced: the triton engine decodes 100 tokens per prompt (CUDA graphs); the
-    torch backend then predicts each of those 2,000 tokens from the same prefix. bf16
-    rounds differently in each (fused kernels round once, the reference after every op),
-    so near-ties may flip; >= 99% must agree."""
+    """The triton engine decodes 100 tokens for each of the 20 prompts (CUDA graphs); the
+    torch backend then decodes the same prompts, teacher-forced with those tokens, so at
+    each of the 2,000 steps both pick a greedy token from the same prefix. bf16 rounds
+    differently in each (Triton's fused kernels round once, in another order; cuBLAS picks
+    other GEMM kernels for other batch shapes), so near-ties may flip; >= 99% must agree."""
     steps = 100
-    fast = LLM("smollm2-135m-instruct", device="cuda", dtype="bfloat16",
-               num_kv_blocks=8192)
+    fast = LLM("smollm2-135m-instruct", device="cuda", dtype="bfloat16", num_kv_blocks=8192)
     prompts = _prompts(fast)
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     outs = [o.token_ids for o in fast.generate(prompts, params)]
+    del fast
+    gc.collect()
+    torch.cuda.empty_cache()
     ref = LLM("smollm2-135m-instruct", device="cuda", dtype="bfloat16",
-              attention_backend="torch", num_kv_blocks=8192)
-    prefixes = [p + out[:i] for p, out in zip(prompts, outs) for i in range(steps)]
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    predicted = [o.token_ids[0] for o in ref.generate(prefixes, one)]
+              attention_backend="torch", num_kv_blocks=8192).engine
+    forcing = TeacherForcing(ref.runner.sampler, {f"p{i}": o for i, o in enumerate(outs)})
+    ref.runner.sampler = forcing
+    done = run_to_completion(
+        ref, [ref.make_request(f"p{i}", p, params) for i, p in enumerate(prompts)]
+    )
+    assert [done[f"p{i}"].token_ids for i in range(len(prompts))] == outs  # forced
+    picked = [t for i in range(len(prompts)) for t in forcing.picked[f"p{i}"]]
     expected = [t for out in outs for t in out]
-    assert len(expected) == 2000
-    agree = sum(a == b for a, b in zip(predicted, expected))
-    print(f"bf16 triton vs torch: {agree}/2000 greedy tokens agree")
-    assert agree >= 1980, f"only {agree}/2000 agree"
+    assert len(picked) == len(expected) == 2000
+    differ = [i for i, (a, b) in enumerate(zip(picked, expected)) if a != b]
+    short = [g for i in range(len(prompts)) for g in forcing.shortfall[f"p{i}"]]
+    print(f"bf16 triton vs torch: {2000 - len(differ)}/2000 greedy tokens agree; "
+          f"differing steps (prompt, step): {[divmod(i, steps) for i in differ]}; "
+          f"there the torch backend ranks the triton token below its own by "
+          f"{sorted(round(-short[i], 4) for i in differ)} (logits)")
+    assert len(differ) <= 20, f"{len(differ)}/2000 differ"

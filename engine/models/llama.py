@@ -166,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
             self.model.embed_tokens.weight if self.config.tie_word_embeddings
             else self.lm_head.weight
         )
-        return self.ops.linear_weight(hidden, weight)
+        return self.ops.logits(hidden, weight)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Hugging Face names; q/k/v and gate/up are concatenated into the fused GEMMs."""
