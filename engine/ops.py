@@ -11,23 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine import cpu_linear as cpu_linear_mod
 from tandem.kernels import rms_norm, rope, silu_mul
-
-# Rows up to which the CPU computes x @ W^T as (W @ x^T)^T: a batch this small is a
-# matrix-vector product that streams W once, which MKL's GEMM path does at about half
-# the memory bandwidth (SmolLM2's MLP on 2 cores: 11 ms against 18 per step at one row).
-_CPU_SKINNY_ROWS = 8
-
-
-def cpu_linear_weight(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if x.shape[0] > _CPU_SKINNY_ROWS:
-        return F.linear(x, weight)
-    return (weight @ x.t()).t().contiguous()
 
 
 def cpu_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    y = cpu_linear_weight(x, layer.weight)
-    return y if layer.bias is None else y + layer.bias
+    return cpu_linear_mod.linear(x, layer.weight, layer.bias)
 
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
@@ -59,7 +48,7 @@ class Ops:
 
 TORCH_OPS = Ops(rms_norm.rms_norm_ref, rope.apply_rope_ref_, silu_mul.silu_mul_ref)
 CPU_OPS = Ops(rms_norm.rms_norm_ref, rope.apply_rope_ref_, silu_mul.silu_mul_ref,
-              cpu_linear, cpu_linear_weight)
+              cpu_linear, cpu_linear_mod.linear)
 TRITON_OPS = Ops(rms_norm.rms_norm, rope.apply_rope_, silu_mul.silu_mul)
 
 

@@ -1,0 +1,55 @@
+"""The model runner's persistent state: table rows follow requests (released at the end,
+grown when a decode node runs more requests than max_num_seqs), and the CPU's packed
+small-batch GEMMs compute what torch's GEMM does."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.engine.cpu_linear import linear
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(10, 500) for _ in range(rng.randint(5, 40))] for _ in range(n)]
+
+
+def test_rows_grow_past_max_num_seqs_and_are_released() -> None:
+    prompts = _prompts(5)
+    expected = [o.token_ids for o in LLM("tiny", load_format="dummy").generate(prompts, GREEDY)]
+    engine = LLM("tiny", load_format="dummy", max_num_seqs=1).engine
+    runner = engine.runner
+    assert runner.table.shape[0] == 2  # the null row and one request's
+    # A decode node's reserved requests join the running batch whatever max_num_seqs says.
+    for i, p in enumerate(prompts):
+        engine.reserve(engine.validate_request(f"r{i}", p, GREEDY))
+        assert engine.start_prefill(f"r{i}")
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert [done[f"r{i}"] for i in range(5)] == expected
+    assert runner.table.shape[0] == 8  # doubled twice: 2 -> 4 -> 8
+    assert not runner._rows and sorted(runner._free_rows) == list(range(1, 8))
+    # The null block is outside the pool: the KV cache has one block more.
+    assert runner.kv_caches[0].shape[1] == engine.block_pool.num_blocks + 1
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 300])
+def test_cpu_linear_matches_torch(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g)
+    weight = torch.randn(200, 96, generator=g)
+    bias = torch.randn(200, generator=g)
+    for b in (None, bias):
+        got = linear(x, weight, b)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b),
+                                   rtol=1e-5, atol=1e-5)
+        assert linear(x, weight, b).equal(got)  # the packed weight, reused
