@@ -57,7 +57,7 @@ class DecodeGraphs:
     def _forward(self, size: int):  # noqa: ANN202 - a closure over the step's views
         r = self.runner
         layout = StepLayout(size, size, size, 0)
-        o = layout.offsets()
+        o = layout.offsets
         h = r._host_np
         padding = {"ids": 0, "positions": 0, "slots": r.null_block * r.block_size,
                    "seq_lens": 1, "rows": NULL_ROW}

@@ -13,6 +13,7 @@ Decode-only steps replay a CUDA graph (`cuda_graphs.py`) where one is captured.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,6 +63,7 @@ class StepLayout:
     num_logits: int  # S: rows whose logits are sampled
     num_updates: int  # K: block-table entries written this step
 
+    @functools.cached_property  # packed and then viewed each step: computed once
     def offsets(self) -> dict[str, tuple[int, int]]:
         t, b, s, k = self.num_tokens, self.num_seqs, self.num_logits, self.num_updates
         sizes = {"ids": t, "positions": t, "slots": t, "seq_lens": b, "query_start": b + 1,
@@ -240,7 +242,7 @@ class ModelRunner:
             self._write_updates(updates[self._update_capacity :])
             updates = updates[: self._update_capacity]
         layout = StepLayout(len(ids), len(rows), len(logits_rows), len(updates))
-        h, o = self._host_np, layout.offsets()
+        h, o = self._host_np, layout.offsets
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the last copy has read the buffer
         for name, values in (("ids", ids), ("positions", pos), ("slots", slots),
@@ -262,7 +264,7 @@ class ModelRunner:
             if self._uploaded is None:
                 self._uploaded = torch.cuda.Event()
             self._uploaded.record()
-        views = {name: self.buffer[a:b] for name, (a, b) in layout.offsets().items()}
+        views = {name: self.buffer[a:b] for name, (a, b) in layout.offsets.items()}
         if layout.num_updates:
             self.table.view(-1)[views["update_at"]] = views["update_to"]
         torch.index_select(self.table, 0, views["rows"],

@@ -34,11 +34,11 @@ class Sampler:
         # logits: [B, V], row i belongs to requests[i]. Copied to float32 so the caller's
         # tensor is never modified.
         assert logits.dim() == 2 and logits.shape[0] == len(requests), logits.shape
-        params = [r.params for r in requests]
         if all(_plain_greedy(r) for r in requests):
             # The common case: nothing to mask or penalize, so no copy of the logits
             # (argmax of a half-precision row is that of its fp32 cast).
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+        params = [r.params for r in requests]
         logits = logits.to(torch.float32, copy=True)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = logits[lp_rows].log_softmax(dim=-1) if lp_rows else None

@@ -29,6 +29,8 @@ import math
 
 import torch
 
+from tandem.kernels.paged_attention import check_paged_inputs
+
 try:
     import triton
     import triton.language as tl
@@ -68,18 +70,9 @@ def decode_attention(
     if triton is None:
         raise RuntimeError("Triton is not installed")
     batch, hq, dim = q.shape
-    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, tuple(kv_cache.shape)
-    _, _, page, hkv, kv_dim = kv_cache.shape
-    assert kv_dim == dim and dim >= 16 and dim & (dim - 1) == 0, (dim, kv_dim)
-    assert hq % hkv == 0, (hq, hkv)
-    assert q.dtype == kv_cache.dtype and q.dtype in (torch.float32, torch.bfloat16,
-                                                    torch.float16), (q.dtype, kv_cache.dtype)
-    assert q.stride(2) == 1 and kv_cache.stride(4) == 1, "head dims must be contiguous"
+    page, hkv = check_paged_inputs(q, kv_cache, block_tables, seq_lens)
+    assert block_tables.shape[0] == batch, (block_tables.shape, batch)
     assert kv_cache.stride(3) == dim and kv_cache.stride(2) == hkv * dim, "blocks contiguous"
-    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2, block_tables.dtype
-    assert block_tables.shape[0] == batch and block_tables.stride(1) == 1
-    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (batch,), seq_lens.shape
-    assert q.device == kv_cache.device == block_tables.device == seq_lens.device
     assert num_splits >= 1, num_splits
     if out is None:
         out = torch.empty_like(q)

@@ -22,6 +22,29 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     return cache.index_select(0, block_table[:num]).flatten(0, 1)[:length]
 
 
+def check_paged_inputs(
+    q: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, W] int32
+    seq_lens: torch.Tensor,  # [B] int32
+) -> tuple[int, int]:
+    """What the Triton attention kernels assume of their inputs; returns (block_size, Hkv)."""
+    hq, dim = q.shape[1:]
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, tuple(kv_cache.shape)
+    _, _, block_size, hkv, kv_dim = kv_cache.shape
+    assert kv_dim == dim and dim >= 16 and dim & (dim - 1) == 0, (dim, kv_dim)
+    assert hq % hkv == 0, (hq, hkv)
+    assert q.dtype == kv_cache.dtype and q.dtype in (torch.float32, torch.bfloat16,
+                                                    torch.float16), (q.dtype, kv_cache.dtype)
+    assert q.stride(2) == 1 and kv_cache.stride(4) == 1, "head dims must be contiguous"
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2, block_tables.dtype
+    assert block_tables.stride(1) == 1, block_tables.stride()
+    batch = block_tables.shape[0]
+    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (batch,), seq_lens.shape
+    assert q.device == kv_cache.device == block_tables.device == seq_lens.device
+    return block_size, hkv
+
+
 @dataclass(frozen=True)
 class DecodeRows:
     """The rows of a step with one query each, and what attending them needs; built once

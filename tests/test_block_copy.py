@@ -3,20 +3,13 @@ and the staging functions built on it (kvtransfer/staging.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from kv_helpers import assert_unchanged_except, clone, make_caches
+from triton_interpreter import HAS_TRITON, run_under_interpreter
 
 from tandem.kernels.block_copy import copy_blocks, copy_blocks_reference, plan_copy
 from tandem.kvtransfer.staging import KVRows, gather_blocks, stack_layers
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def compare_kernel_with_reference(device: str) -> None:
@@ -61,11 +54,9 @@ def compare_kernel_with_reference(device: str) -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_triton_kernel_matches_reference_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when triton.jit decorates
-    code = "from test_block_copy import compare_kernel_with_reference as c; c('cpu')"
-    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_under_interpreter(
+        "from test_block_copy import compare_kernel_with_reference as c; c('cpu')"
+    )
 
 
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA")

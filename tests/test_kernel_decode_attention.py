@@ -7,15 +7,11 @@ Run as a script on a GPU it prints the kernel's KV read bandwidth instead:
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import HAS_TRITON, run_under_interpreter
 
 from tandem.kernels import decode_attention as kernel_module
 from tandem.kernels.decode_attention import (
@@ -25,7 +21,6 @@ from tandem.kernels.decode_attention import (
 )
 from tandem.kernels.paged_attention import paged_attention_ref
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 PAGE = 16
 # Lengths either side of page boundaries, the first a lone token.
 MIXED = [1, 15, 16, 17, 33, 100]
@@ -123,11 +118,7 @@ def replay_in_cuda_graph() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_kernel_matches_reference_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when triton.jit decorates
-    code = "from test_kernel_decode_attention import compare; compare('cpu')"
-    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_under_interpreter("from test_kernel_decode_attention import compare; compare('cpu')")
 
 
 @pytest.mark.gpu

@@ -3,19 +3,13 @@ and that reference against the engine's (kernels/paged_attention.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from triton_interpreter import HAS_TRITON, run_under_interpreter
 
 from tandem.kernels.paged_attention import paged_attention_ref
 from tandem.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 PAGE = 16
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 # (context length, new tokens): a chunk after a cached prefix crossing page boundaries,
@@ -93,11 +87,9 @@ def compare(device: str) -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_kernel_matches_reference_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when triton.jit decorates
-    code = "from test_kernel_prefill_attention import compare; compare('cpu')"
-    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_under_interpreter(
+        "from test_kernel_prefill_attention import compare; compare('cpu')", timeout=600
+    )
 
 
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA")

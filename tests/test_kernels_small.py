@@ -3,22 +3,16 @@ against their torch references, and the references against Hugging Face's Llama.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_interpreter import HAS_TRITON, run_under_interpreter
 
 from tandem.kernels.kv_store import store_kv, store_kv_ref
 from tandem.kernels.rms_norm import rms_norm, rms_norm_ref
 from tandem.kernels.rope import apply_rope_, apply_rope_ref_, rope_cache
 from tandem.kernels.silu_mul import silu_mul, silu_mul_ref
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 EPS = 1e-5
 
@@ -145,11 +139,7 @@ def compare(device: str) -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_kernels_match_references_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when triton.jit decorates
-    code = "from test_kernels_small import compare; compare('cpu')"
-    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_under_interpreter("from test_kernels_small import compare; compare('cpu')")
 
 
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA")
