@@ -34,6 +34,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run every step eagerly instead of replaying CUDA graphs for "
                         "decode-only steps (slower; saves start-up time and graph memory)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each step before reading the previous step's tokens, so the "
+                        "host prepares the next step while the GPU computes (default: on for "
+                        "CUDA, off on the CPU)")
     g.add_argument("--max-num-seqs", type=int, default=64,
                    help="most requests running at once (default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,

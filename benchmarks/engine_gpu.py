@@ -168,6 +168,9 @@ def parse_args() -> argparse.Namespace:
         help="Tandem's attention backend (default: the engine's choice)",
     )
     p.add_argument("--enforce-eager", action="store_true", help="Tandem without CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="Tandem launches each step before reading the last one's tokens "
+                        "(default: the engine's, on for CUDA)")
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -361,6 +364,7 @@ class Tandem:
             max_model_len=sizes.longest,
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
+            async_scheduling=args.async_scheduling,
             **kv,
         )
 
@@ -382,6 +386,7 @@ class Tandem:
             "attention_backend": getattr(getattr(engine.runner, "attention", None), "name", None),
             "cuda_graphs": getattr(engine, "cuda_graphs", None),
             "enforce_eager": engine.config.enforce_eager,
+            "async_scheduling": getattr(engine, "async_scheduling", None),
             "preemptions": engine.scheduler.num_preemptions,
         }
 

@@ -32,6 +32,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         ),
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
 
 

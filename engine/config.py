@@ -210,6 +210,9 @@ class EngineConfig:
     attention_backend: str | None = None
     # No CUDA graphs: every step runs eagerly (debugging, or to save their memory).
     enforce_eager: bool = False
+    # Launch each step before reading the previous one's tokens, so host work overlaps
+    # the GPU's; None: on for CUDA, off on the CPU (where nothing runs alongside).
+    async_scheduling: bool | None = None
 
     def with_scheduler(self, **changes: Any) -> EngineConfig:
         return replace(self, scheduler=replace(self.scheduler, **changes))

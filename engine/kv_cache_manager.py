@@ -69,9 +69,10 @@ class KVCacheManager:
         start = self._num_cached_blocks.get(req.request_id, 0)
         if num_full <= start:
             return  # every step of a decode lands here: nothing is copied
-        tokens = req.all_token_ids
-        self._update_hashes(req, tokens)
         bs = self.block_size
+        # Computed tokens only: the newest output may still be pending on the device.
+        tokens = req.all_token_ids[: num_full * bs]
+        self._update_hashes(req, tokens)
         for i in range(start, num_full):
             block = self.pool.blocks[req.block_ids[i]]
             self.pool.cache(block, req.block_hashes[i], tokens[i * bs : (i + 1) * bs])

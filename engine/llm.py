@@ -36,6 +36,7 @@ class LLM:
         max_model_len: int = 8192,
         attention_backend: str | None = None,
         enforce_eager: bool = False,
+        async_scheduling: bool | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -57,6 +58,7 @@ class LLM:
             ),
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

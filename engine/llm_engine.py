@@ -1,10 +1,19 @@
 """One engine: a model on a device, its paged KV cache, scheduler, runner and sampler.
-`step()` is schedule → run → postprocess."""
+`step()` is schedule → run → postprocess.
+
+With async scheduling (the CUDA default) a step is launched before the previous one's
+tokens are read: step() schedules and launches step N+1, then reads step N's tokens
+and postprocesses them while the GPU computes N+1, so the host's work hides behind the
+GPU's. A request keeps PENDING_TOKEN in place of its newest token until then; the
+scheduler does not run a request past a length limit it may have reached, and a request
+that turns out to have stopped at step N has its token of N+1 discarded. Steps whose
+sampling needs the newest tokens on the host (penalties), reads logprobs, or pushes KV
+layer by layer wait for the previous step first and run as before."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm import tqdm
@@ -16,12 +25,12 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.loader import load_model_config, load_tokenizer, load_weights, resolve_model
-from tandem.engine.model_runner import ModelRunner, num_kv_blocks
+from tandem.engine.model_runner import ModelRunner, SampledTokens, num_kv_blocks
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.ops import ops_for
 from tandem.engine.outputs import RequestOutput
-from tandem.engine.request import Request, RequestStatus
-from tandem.engine.sampler import Sampler, SamplerOutput
+from tandem.engine.request import PENDING_TOKEN, Request, RequestStatus
+from tandem.engine.sampler import Sampler, SamplerOutput, on_device
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.tokenizer import IncrementalDetokenizer, find_stop_string
@@ -34,6 +43,14 @@ def _resolve_device(name: str) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {name!r}; use 'cpu' or 'cuda'")
     return device
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A step launched ahead: its sampling requests and their tokens, not yet read."""
+
+    requests: list[Request]
+    tokens: SampledTokens
 
 
 class LLMEngine:
@@ -91,6 +108,10 @@ class LLMEngine:
             )
             graphs.capture()
             self.runner.graphs = graphs
+        self.async_scheduling = (
+            device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
+        )
+        self._launched: _Launched | None = None
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Since start, for the node's metrics: prompt tokens computed here, and of the
@@ -230,7 +251,7 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._launched is not None
 
     @property
     def num_unfinished(self) -> int:
@@ -240,18 +261,56 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        if not batch.requests:
-            return []
+        on_layer = self._layer_callback(batch) if batch.requests else None
         sampling = batch.sampling_requests()  # before postprocess advances the counts
-        if batch.num_tokens != len(batch.requests):  # a decode computes no prompt token
-            for req, n in zip(batch.requests, batch.num_new_tokens):
-                start = req.num_computed_tokens
-                self.num_prompt_tokens_computed += max(
-                    0, min(start + n, req.num_prompt_tokens) - start
-                )
-        sampled = self.runner.run(batch, sampling, self._layer_callback(batch))
+        if (self.async_scheduling and batch.requests and on_layer is None
+                and all(on_device(r) for r in sampling)):
+            return self._step_ahead(batch, sampling)
+        outputs = self._land()
+        if outputs:  # requests that stopped at the landed step leave this one
+            batch = batch.without_finished()
+            sampling = batch.sampling_requests()
+        if not batch.requests:
+            return outputs
+        self._count_prompt_tokens(batch)
+        sampled = self.runner.run(batch, sampling, on_layer)
         self.scheduler.postprocess(batch)
-        return self._append(sampling, sampled)
+        return outputs + self._append(sampling, sampled)
+
+    def _step_ahead(self, batch: ScheduledBatch, sampling: list[Request]) -> list[RequestOutput]:
+        """Launch this step, then read and postprocess the previous one while it runs."""
+        self._count_prompt_tokens(batch)
+        launched = _Launched(sampling, self.runner.launch(batch, sampling))
+        for req in sampling:
+            req.output_token_ids.append(PENDING_TOKEN)
+        outputs = self._land()
+        self._launched = launched
+        self.scheduler.postprocess(batch)  # after landing: the hashes see real tokens
+        return outputs
+
+    def _land(self) -> list[RequestOutput]:
+        """Read the tokens of the step launched ahead, if any, and append them."""
+        launched, self._launched = self._launched, None
+        if launched is None:
+            return []
+        outputs = []
+        for req, token in zip(launched.requests, launched.tokens.result()):
+            if req.is_finished:
+                continue  # aborted, or stopped, since the launch
+            out = req.output_token_ids
+            ahead = len(out) > 1 and out[-2] == PENDING_TOKEN  # a later step sampled too
+            del out[-2 if ahead else -1 :]
+            outputs += self._append([req], SamplerOutput([token], [None]))
+            if ahead and not req.is_finished:
+                out.append(PENDING_TOKEN)
+        return outputs
+
+    def _count_prompt_tokens(self, batch: ScheduledBatch) -> None:
+        if batch.num_tokens == len(batch.requests):  # a decode computes no prompt token
+            return
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            start = req.num_computed_tokens
+            self.num_prompt_tokens_computed += max(0, min(start + n, req.num_prompt_tokens) - start)
 
     def _layer_callback(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
         """The prefill hook's callbacks for the requests whose prompt this step completes."""
@@ -276,13 +335,13 @@ class LLMEngine:
             self.num_generation_tokens += 1
             if logprobs is not None:
                 req.output_logprobs.append(logprobs)
-            delta = self._detokenize(req, token)
-            status = self._check_stop(req, token, delta)
+            new_text = self._detokenize(req, token)
+            status = self._check_stop(req, token, new_text)
             if status is RequestStatus.FINISHED_LENGTH:
-                delta += self._flush_text(req)  # a character cut off mid-way by the limit
+                self._flush_text(req)  # a character cut off mid-way by the limit
             if status is not None:
                 self._finish(req, status)
-            outputs.append(RequestOutput.of(req, delta))
+            outputs.append(RequestOutput.of(req, _stream_delta(req)))
         return outputs
 
     def _detokenize(self, req: Request, token: int) -> str:
@@ -293,11 +352,10 @@ class LLMEngine:
         req.output_text += delta
         return delta
 
-    def _flush_text(self, req: Request) -> str:
+    def _flush_text(self, req: Request) -> None:
         detok = self._detok.get(req.request_id)
-        rest = detok.flush() if detok is not None else ""
-        req.output_text += rest
-        return rest
+        if detok is not None:
+            req.output_text += detok.flush()
 
     def _check_stop(self, req: Request, token: int, delta: str) -> RequestStatus | None:
         p = req.params
@@ -324,6 +382,8 @@ class LLMEngine:
         return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.output_token_ids and req.output_token_ids[-1] == PENDING_TOKEN:
+            req.output_token_ids.pop()  # aborted with a step in flight: never read
         self.num_prompt_tokens_cached += req.num_cached_tokens
         self.num_prompt_tokens_queried += req.num_prompt_tokens
         self.scheduler.finish(req, status)
@@ -351,6 +411,20 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt is empty")
         return token_ids
+
+
+def _stream_delta(req: Request) -> str:
+    """The text to stream now: what is new since the last delta, less a tail that could
+    still turn out to begin a stop string (never streamed, since the stop cuts it)."""
+    text, p = req.output_text, req.params
+    end = len(text)
+    if p.stop and not p.include_stop_str_in_output and not req.is_finished:
+        end -= max(map(len, p.stop)) - 1
+    if end <= req.num_text_streamed:
+        return ""
+    delta = text[req.num_text_streamed : end]
+    req.num_text_streamed = end
+    return delta
 
 
 def _matched_stop(text: str, stops: Sequence[str], cut: int, included: bool) -> str | None:

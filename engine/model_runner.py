@@ -9,6 +9,10 @@ Allocated once, updated in place:
 - one host buffer (pinned on CUDA) and its device twin holding every per-step input
   (`StepLayout`): one host→device copy per step.
 Decode-only steps replay a CUDA graph (`cuda_graphs.py`) where one is captured.
+
+`launch` starts a step without waiting for it (async scheduling): its tokens stay on the
+device, and the next step's inputs take them from there (`carry_*`), so the host
+prepares step N+1 while the GPU computes step N.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.config import CacheConfig, ModelConfig
 from tandem.engine.models.llama import LlamaForCausalLM
-from tandem.engine.request import Request
+from tandem.engine.request import PENDING_TOKEN, Request
 from tandem.engine.sampler import Sampler, SamplerOutput
 from tandem.engine.scheduler import ScheduledBatch
 
@@ -62,12 +66,15 @@ class StepLayout:
     num_seqs: int  # B
     num_logits: int  # S: rows whose logits are sampled
     num_updates: int  # K: block-table entries written this step
+    num_carries: int = 0  # C: input ids taken from the last launched step's tokens
 
     @functools.cached_property  # packed and then viewed each step: computed once
     def offsets(self) -> dict[str, tuple[int, int]]:
-        t, b, s, k = self.num_tokens, self.num_seqs, self.num_logits, self.num_updates
+        t, b, s, k, c = (self.num_tokens, self.num_seqs, self.num_logits, self.num_updates,
+                         self.num_carries)
         sizes = {"ids": t, "positions": t, "slots": t, "seq_lens": b, "query_start": b + 1,
-                 "rows": b, "logits_rows": s, "update_at": k, "update_to": k}
+                 "rows": b, "logits_rows": s, "update_at": k, "update_to": k,
+                 "carry_to": c, "carry_from": c}
         out, at = {}, 0
         for name, n in sizes.items():
             out[name] = (at, at + n)
@@ -76,7 +83,22 @@ class StepLayout:
 
     @property
     def size(self) -> int:
-        return 3 * self.num_tokens + 3 * self.num_seqs + 1 + self.num_logits + 2 * self.num_updates
+        return (3 * self.num_tokens + 3 * self.num_seqs + 1 + self.num_logits
+                + 2 * self.num_updates + 2 * self.num_carries)
+
+
+@dataclass(eq=False)
+class SampledTokens:
+    """A launched step's tokens, one per sampling request, on their way to the host."""
+
+    host: torch.Tensor  # [S] int32, filled once `ready` has passed
+    ready: torch.cuda.Event | None  # None on the CPU: the copy is done
+
+    def result(self) -> list[int]:
+        """Waits for the step (only that step) and returns its tokens."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
 
 
 @dataclass(eq=False)
@@ -117,7 +139,7 @@ class ModelRunner:
         self._free_rows = list(range(self.table.shape[0] - 1, NULL_ROW, -1))
         # A step's block tables, gathered from the rows it uses: [max tokens, W].
         self.step_tables = torch.empty((max_num_tokens, self.width), **i32)
-        cap = StepLayout(max_num_tokens, max_num_tokens, max_num_tokens, 0).size
+        cap = StepLayout(max_num_tokens, max_num_tokens, max_num_tokens, 0, max_num_tokens).size
         self._update_capacity = max(4096, 2 * num_blocks)
         cap += 2 * self._update_capacity
         pinned = self.device.type == "cuda"
@@ -127,6 +149,14 @@ class ModelRunner:
         # The last upload has left the host buffer (set on CUDA after each copy).
         self._uploaded: torch.cuda.Event | None = None
         self.graphs = None  # cuda_graphs.DecodeGraphs, set by the engine after capture
+        # The last launched step's tokens on the device, the row of each request among
+        # them, and two host buffers they are copied to in turn (a step is read back
+        # while the next one's copy may already be queued).
+        self.sampled = torch.zeros(max_num_tokens, **i32)
+        self._sampled_rows: dict[str, int] = {}
+        self._sampled_host = [torch.zeros(max_num_tokens, dtype=torch.int32, pin_memory=pinned)
+                              for _ in range(2)]
+        self._turn = 0
 
     # --- rows of the persistent block table -------------------------------------------
 
@@ -173,6 +203,37 @@ class ModelRunner:
     ) -> SamplerOutput:
         """`sampling`: `batch.sampling_requests()`, before the step advances any count.
         `on_layer(i)`: called once layer i's KV is written (see LlamaForCausalLM)."""
+        logits = self._forward(batch, sampling, on_layer)
+        if logits is None:
+            return SamplerOutput([], [])
+        return self.sampler(logits, sampling)
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, sampling: list[Request]) -> SampledTokens:
+        """Queue the step and return at once; every request in `sampling` must sample
+        `on_device`. The next step may use its tokens before the host has read them:
+        a request whose newest token is PENDING_TOKEN gets it from this step."""
+        logits = self._forward(batch, sampling, None)
+        n = len(sampling)
+        host = self._sampled_host[self._turn][:n]
+        self._turn ^= 1
+        ready = None
+        if n:
+            self.sampled[:n].copy_(self.sampler.sample(logits, sampling))
+            host.copy_(self.sampled[:n], non_blocking=True)
+            if self.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record()
+        self._sampled_rows = {req.request_id: i for i, req in enumerate(sampling)}
+        return SampledTokens(host, ready)
+
+    def _forward(
+        self,
+        batch: ScheduledBatch,
+        sampling: list[Request],
+        on_layer: Callable[[int], None] | None,
+    ) -> torch.Tensor | None:
+        """The logits of the sampling rows, [len(sampling), V]; None if none sample."""
         n = len(batch.requests)
         bucket = None
         decode_only = batch.num_tokens == n == len(sampling)
@@ -181,21 +242,19 @@ class ModelRunner:
         layout, max_seq_len = self._pack(batch, pad_to=bucket or n)
         views = self._upload(layout)
         if bucket is not None:
-            logits = self.graphs.replay(bucket)[:n]
-        else:
-            meta = AttentionMetadata(
-                slot_mapping=views["slots"], block_tables=self.step_tables[: layout.num_seqs],
-                seq_lens=views["seq_lens"], query_start=views["query_start"],
-                max_query_len=max(batch.num_new_tokens), max_seq_len=max_seq_len,
-            )
-            state = self.attention.build(meta)
-            hidden = self.model(views["ids"], views["positions"], self.kv_caches, state, on_layer)
-            if not sampling:
-                return SamplerOutput([], [])
-            if layout.num_logits != layout.num_tokens:
-                hidden = hidden[views["logits_rows"]]
-            logits = self.model.compute_logits(hidden)
-        return self.sampler(logits, sampling)
+            return self.graphs.replay(bucket)[:n]
+        meta = AttentionMetadata(
+            slot_mapping=views["slots"], block_tables=self.step_tables[: layout.num_seqs],
+            seq_lens=views["seq_lens"], query_start=views["query_start"],
+            max_query_len=max(batch.num_new_tokens), max_seq_len=max_seq_len,
+        )
+        state = self.attention.build(meta)
+        hidden = self.model(views["ids"], views["positions"], self.kv_caches, state, on_layer)
+        if not sampling:
+            return None
+        if layout.num_logits != layout.num_tokens:
+            hidden = hidden[views["logits_rows"]]
+        return self.model.compute_logits(hidden)
 
     def _pack(self, batch: ScheduledBatch, pad_to: int) -> tuple[StepLayout, int]:
         """Write the step's inputs into the host buffer; rows past the batch, up to
@@ -210,19 +269,25 @@ class ModelRunner:
         rows: list[int] = []
         logits_rows: list[int] = []
         updates: list[tuple[int, int]] = []
+        carries: list[tuple[int, int]] = []  # (index in ids, row in the last launch)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
             rows.append(self._row(req, updates))
             blocks = req.block_ids
             if n == 1:
                 prompt_len = len(req.prompt_token_ids)
-                ids.append(req.prompt_token_ids[start] if start < prompt_len
-                           else req.output_token_ids[start - prompt_len])
+                token = (req.prompt_token_ids[start] if start < prompt_len
+                         else req.output_token_ids[start - prompt_len])
+                if token == PENDING_TOKEN:
+                    carries.append((len(ids), self._sampled_rows[req.request_id]))
+                    token = 0
+                ids.append(token)
                 pos.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
             else:
                 p = np.arange(start, start + n)
                 ids += req.all_token_ids[start : start + n]
+                assert ids[-1] != PENDING_TOKEN, "a prefill reads a pending token"
                 pos += range(start, start + n)
                 slots += (np.asarray(blocks)[p // bs] * bs + p % bs).tolist()
             seq_lens.append(start + n)
@@ -241,7 +306,7 @@ class ModelRunner:
         if len(updates) > self._update_capacity:
             self._write_updates(updates[self._update_capacity :])
             updates = updates[: self._update_capacity]
-        layout = StepLayout(len(ids), len(rows), len(logits_rows), len(updates))
+        layout = StepLayout(len(ids), len(rows), len(logits_rows), len(updates), len(carries))
         h, o = self._host_np, layout.offsets
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the last copy has read the buffer
@@ -254,6 +319,10 @@ class ModelRunner:
             at, to = zip(*updates)
             h[slice(*o["update_at"])] = at
             h[slice(*o["update_to"])] = to
+        if carries:
+            to, at = zip(*carries)
+            h[slice(*o["carry_to"])] = to
+            h[slice(*o["carry_from"])] = at
         return layout, max_seq_len
 
     def _upload(self, layout: StepLayout) -> dict[str, torch.Tensor]:
@@ -267,6 +336,8 @@ class ModelRunner:
         views = {name: self.buffer[a:b] for name, (a, b) in layout.offsets.items()}
         if layout.num_updates:
             self.table.view(-1)[views["update_at"]] = views["update_to"]
+        if layout.num_carries:
+            views["ids"][views["carry_to"]] = self.sampled[views["carry_from"]]
         torch.index_select(self.table, 0, views["rows"],
                            out=self.step_tables[: layout.num_seqs])
         return views

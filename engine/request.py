@@ -13,6 +13,12 @@ if TYPE_CHECKING:
     from tandem.engine.sampling_params import SamplingParams
 
 
+# An output token sampled on the device whose value the host has not read yet: with
+# async scheduling, a step is launched before the previous step's tokens are read, and
+# each request it samples for holds this in place of its newest token until they are.
+PENDING_TOKEN = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -56,6 +62,7 @@ class Request:
     # Prompt and output token counts for penalties, updated incrementally by the sampler.
     penalty_counts: Any = None
     output_text: str = ""
+    num_text_streamed: int = 0  # leading characters of output_text sent as deltas
     stop_reason: int | str | None = None
     num_preemptions: int = 0
 

@@ -42,17 +42,29 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = logits[lp_rows].log_softmax(dim=-1) if lp_rows else None
-
-        self._mask_min_tokens(logits, requests)
-        _apply_penalties(logits, requests)
-        token_ids = logits.argmax(dim=-1)
-        rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if rows:
-            token_ids[rows] = _sample(logits[rows], [requests[i] for i in rows])
+        token_ids = self._draw(logits, requests)
         return SamplerOutput(
             token_ids=token_ids.tolist(),
             logprobs=_logprobs(raw_logprobs, lp_rows, token_ids, params),
         )
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """The token ids, left on the logits' device: for requests that all sample
+        `on_device`, so nothing here waits for the GPU."""
+        assert logits.dim() == 2 and logits.shape[0] == len(requests), logits.shape
+        if all(_plain_greedy(r) for r in requests):
+            return logits.argmax(dim=-1)
+        return self._draw(logits.to(torch.float32, copy=True), requests)
+
+    def _draw(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        # logits: a float32 copy, modified here.
+        self._mask_min_tokens(logits, requests)
+        _apply_penalties(logits, requests)
+        token_ids = logits.argmax(dim=-1)
+        rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
+        if rows:
+            token_ids[rows] = _sample(logits[rows], [requests[i] for i in rows])
+        return token_ids
 
     def _mask_min_tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
         rows: list[int] = []
@@ -66,6 +78,13 @@ class Sampler:
                 cols += stops
         if rows:
             logits[rows, cols] = -torch.inf
+
+
+def on_device(req: Request) -> bool:
+    """The request's next token can be drawn without the host knowing its newest token
+    or reading anything back: no penalties (they count the output) and no logprobs."""
+    p = req.params
+    return p.logprobs is None and not _has_penalty(p)
 
 
 def _plain_greedy(req: Request) -> bool:

@@ -21,6 +21,11 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def without_finished(self) -> ScheduledBatch:
+        keep = [i for i, r in enumerate(self.requests) if not r.is_finished]
+        return ScheduledBatch([self.requests[i] for i in keep],
+                              [self.num_new_tokens[i] for i in keep])
+
     def samples(self, i: int) -> bool:
         """A request samples once this step brings its KV up to its last token."""
         req = self.requests[i]
@@ -63,6 +68,8 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if self._at_length_limit(req):
+                continue  # its last token is still pending on the device (async scheduling)
             num_new = min(req.num_uncomputed_tokens, budget)
             while not self.kv.allocate(req, num_new):
                 victim = self.running[-1]
@@ -80,6 +87,11 @@ class Scheduler:
         if self.num_preemptions == preemptions_before:
             self._admit(batch, budget)
         return batch
+
+    def _at_length_limit(self, req: Request) -> bool:
+        max_tokens = req.params.max_tokens
+        return ((max_tokens is not None and req.num_output_tokens >= max_tokens)
+                or req.num_tokens >= self.config.max_model_len)
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -107,6 +119,8 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch) -> None:
         """Advance computed counts and cache newly full blocks (before tokens append)."""
         for req, n in zip(batch.requests, batch.num_new_tokens):
+            if req.is_finished:
+                continue  # ended (async scheduling) before this step was postprocessed
             req.num_computed_tokens += n
             self.kv.cache_computed_blocks(req)
 

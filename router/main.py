@@ -99,6 +99,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--attention-backend", args.attention_backend]
     if args.enforce_eager:
         flags.append("--enforce-eager")
+    if args.async_scheduling is not None:
+        flags.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     if args.num_kv_blocks is not None:
         flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.no_prefix_caching:

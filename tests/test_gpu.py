@@ -39,10 +39,13 @@ def _prompts(llm: LLM) -> list[list[int]]:
             for c in CHAT + [LONG_CHAT]] + [tok.encode(r) for r in RAW + [LONG_RAW]]
 
 
-def test_cuda_matches_hugging_face(smollm2_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_cuda_matches_hugging_face(smollm2_path, async_scheduling: bool) -> None:  # noqa: ANN001
     llm = LLM("smollm2-135m-instruct", device="cuda", dtype="float32",
-              num_kv_blocks=8192)
-    assert llm.engine.attention_backend == "triton" and llm.engine.cuda_graphs
+              num_kv_blocks=8192, async_scheduling=async_scheduling)
+    engine = llm.engine
+    assert engine.attention_backend == "triton" and engine.cuda_graphs
+    assert engine.async_scheduling is async_scheduling
     prompts = _prompts(llm)
     hf = AutoModelForCausalLM.from_pretrained(
         smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
@@ -93,8 +96,9 @@ def test_bf16_triton_agrees_with_torch() -> None:
     del fast
     gc.collect()
     torch.cuda.empty_cache()
+    # Synchronous: the forcing sampler hands back tokens the host chose.
     ref = LLM("smollm2-135m-instruct", device="cuda", dtype="bfloat16",
-              attention_backend="torch", num_kv_blocks=8192).engine
+              attention_backend="torch", num_kv_blocks=8192, async_scheduling=False).engine
     forcing = TeacherForcing(ref.runner.sampler, {f"p{i}": o for i, o in enumerate(outs)})
     ref.runner.sampler = forcing
     done = run_to_completion(

@@ -172,8 +172,9 @@ def test_wrapper_rejects_layouts_it_cannot_take() -> None:
 
 def bench() -> None:
     """KV bytes read per second at Llama-3-8B shapes (Hq 32, Hkv 8, D 128, bf16), for each
-    tile size and stage count, timed in CUDA graphs (no launch overhead). Small cases run
-    over several caches in turn, more bytes than L2 holds, so the reads come from HBM."""
+    tile size, stage count, warp count and split count, timed in CUDA graphs (no launch
+    overhead). Small cases run over several caches in turn, more bytes than L2 holds, so
+    the reads come from HBM. Prints every setting, then the fastest few per shape."""
     import triton
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -183,17 +184,25 @@ def bench() -> None:
         inputs = [make_inputs([length] * batch, 4, 128, 8, torch.bfloat16, "cuda", seed)
                   for seed in range(copies)]
         chosen = choose_num_splits(batch, 8, length, PAGE, num_sms)
-        for splits, block_n, stages in itertools.product(sorted({1, chosen}), (32, 64, 128),
-                                                         (1, 2, 3)):
+        results = []
+        for splits, block_n, stages, warps in itertools.product(
+                sorted({1, 2, chosen}), (64, 128), (2, 3, 4), (4, 8)):
+            if block_n == 128 and stages == 4:
+                continue  # beyond shared memory
             kernel_module._tile = lambda dtype, t=(block_n, stages): t  # noqa: ARG005
+            kernel_module._NUM_WARPS = warps
 
             def run(splits: int = splits, inputs: list = inputs) -> None:
                 for q, kv_cache, tables, seq_lens in inputs:
                     decode_attention(q, kv_cache, tables, seq_lens, 0.088, splits)
 
             us = triton.testing.do_bench_cudagraph(run) * 1e3 / copies
-            print(f"batch {batch} x {length} tokens, {splits} splits, BLOCK_N {block_n}, "
-                  f"{stages} stages: {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s", flush=True)
+            name = (f"batch {batch} x {length} tokens, {splits} splits, BLOCK_N {block_n}, "
+                    f"{stages} stages, {warps} warps")
+            results.append((us, name))
+            print(f"{name}: {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s", flush=True)
+        for us, name in sorted(results)[:4]:
+            print(f"best: {name}: {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s", flush=True)
 
 
 if __name__ == "__main__":
