@@ -4,9 +4,9 @@ MKL's GEMM repacks W on every call, and with 1-64 rows that repacking, not the
 arithmetic, is the cost: SmolLM2's fused MLP GEMMs at 8 rows ran at ~40 GFLOP/s on the
 2-core machine. oneDNN can pack W once into its blocked layout and reuse it for any row
 count: 30 layers of the [3072, 576] gate/up GEMM at 8 rows, 21 ms -> 12 ms (fp32, 2 cores).
-One row (a batch of one decoding) is a matrix-vector product that streams W once: torch's
-`W @ x` does it at the memory bandwidth, faster than either GEMM (SmolLM2 on 2 cores:
-~20 tok/s against ~17 packed). Prompts (many rows) keep torch's GEMM, as fast there.
+One row too: MKL's matrix-vector product runs on one thread whatever torch's thread count,
+and read SmolLM2's 540 MB at 11 GB/s where the packed GEMM reads them at 16-17 GB/s on the
+2-core machine (47 ms -> 32 ms a token). Prompts (many rows) keep torch's GEMM, as fast there.
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ def _can_pack(x: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:  # x: [T, in], weight: [out, in] -> [T, out]
-    if x.shape[0] == 1 and x.dtype == torch.float32:
-        y = (weight @ x[0]).unsqueeze(0)
-        return y if bias is None else y + bias
     if not _can_pack(x):
         return F.linear(x, weight, bias)
     packed = getattr(weight, _PACKED, None)
