@@ -146,6 +146,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_router_args(up)
     _add_engine_args(up)
     up.set_defaults(func=_up)
+
+    bench = sub.add_parser("bench", help="benchmark a running server",
+                           description="Benchmarks against a running server.")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    serve = bench_sub.add_parser(
+        "serve", help="load an OpenAI-compatible server, vLLM bench serve style",
+        description="Send a workload (random, sharegpt or prefix-repetition prompts) to a "
+                    "running server at a request rate and concurrency, time every streamed "
+                    "token, and report TTFT, TPOT, ITL, E2EL, throughput and goodput under "
+                    "vLLM's `vllm bench serve` names and definitions.",
+    )
+    from tandem.bench.serve_args import add_arguments
+
+    add_arguments(serve)
+    serve.set_defaults(func=_bench_serve)
     return parser
 
 
@@ -188,6 +203,12 @@ def _node(args: argparse.Namespace) -> int:
     from tandem.node.main import run_node
 
     return run_node(args)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from tandem.bench.serve import main as bench_serve
+
+    return bench_serve(args)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -236,3 +236,52 @@ def test_32_concurrent_streams_complete_with_correct_usage(url: str, client: Ope
         assert usage.prompt_tokens == prompt_tokens and usage.completion_tokens == 12
         assert usage.total_tokens == prompt_tokens + 12
     assert _wait(lambda: _idle(url)), _metrics(url)
+
+
+# What vLLM's `vllm bench serve --save-result` writes, and the type of each.
+VLLM_RESULT_KEYS: dict[str, type | tuple[type, ...]] = {
+    "date": str, "endpoint_type": str, "backend": str, "label": (str, type(None)),
+    "model_id": str, "tokenizer_id": (str, type(None)), "num_prompts": int,
+    "request_rate": (float, int, str), "burstiness": (float, int),
+    "max_concurrency": (int, type(None)), "duration": float, "completed": int, "failed": int,
+    "total_input_tokens": int, "total_output_tokens": int, "request_throughput": float,
+    "request_goodput": (float, type(None)), "output_throughput": float,
+    "total_token_throughput": float, "latencies": list, "queue_times": list,
+    "max_output_tokens_per_s": float, "max_concurrent_requests": int, "rtfx": float,
+    **{f"{stat}_{metric}_ms": float for stat in ("mean", "median", "std", "p99")
+       for metric in ("ttft", "tpot", "itl")},
+}
+VLLM_DETAILED_KEYS = {"input_lens": list, "output_lens": list, "start_times": list,
+                      "ttfts": list, "itls": list, "generated_texts": list, "errors": list}
+
+
+@pytest.mark.parametrize("detailed", [False, True], ids=["save-result", "save-detailed"])
+def test_bench_serve_random_run_writes_vllms_json(url: str, tmp_path, detailed: bool) -> None:  # noqa: ANN001
+    cmd = [sys.executable, "-m", "tandem.cli", "bench", "serve", "--base-url", url,
+           "--dataset-name", "random", "--num-prompts", "4", "--random-input-len", "24",
+           "--random-output-len", "6", "--max-concurrency", "2", "--request-rate", "50",
+           "--goodput", "ttft:60000", "tpot:60000", "--save-result", "--result-dir",
+           str(tmp_path), "--result-filename", "run.json", "--disable-tqdm"]
+    if detailed:
+        cmd.append("--save-detailed")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Serving Benchmark Result" in done.stdout
+    result = json.loads((tmp_path / "run.json").read_text())
+    expected = VLLM_RESULT_KEYS | (VLLM_DETAILED_KEYS if detailed else {})
+    for key, kind in expected.items():
+        assert key in result, key
+        assert isinstance(result[key], kind), (key, result[key])
+    if not detailed:
+        assert not VLLM_DETAILED_KEYS.keys() & result.keys()
+    assert (result["completed"], result["failed"], result["num_prompts"]) == (4, 0, 4)
+    assert result["model_id"] == MODEL and result["max_concurrency"] == 2
+    # Random prompts are sent as token ids with ignore_eos: exact lengths both ways.
+    assert result["total_input_tokens"] == 4 * 24 and result["total_output_tokens"] == 4 * 6
+    assert result["request_goodput"] == pytest.approx(4 / result["duration"])
+    assert 0 < result["median_ttft_ms"] <= result["p99_ttft_ms"] < 60000
+    assert 0 < result["mean_tpot_ms"] and result["max_concurrent_requests"] <= 2
+    if detailed:
+        assert result["output_lens"] == [6] * 4 and result["input_lens"] == [24] * 4
+        assert [len(itl) for itl in result["itls"]] == [5] * 4  # a chunk per token
+        assert result["errors"] == [""] * 4

@@ -1,0 +1,105 @@
+"""`tandem bench serve`'s arithmetic on hand-made request records, against values worked
+out by hand with vLLM's definitions; its arrivals and datasets. The JSON of a real run
+through `tandem up` is checked in test_serving.py."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tandem.bench.datasets import prefix_repetition_requests, random_requests
+from tandem.bench.metrics import RequestRecord, compute_metrics, parse_goodput
+from tandem.bench.serve import _arrival_times
+
+
+def records() -> list[RequestRecord]:
+    return [
+        # 5 tokens: TPOT (0.3 - 0.1) / 4 = 0.05
+        RequestRecord(prompt_len=10, success=True, output_tokens=5, ttft=0.1,
+                      itl=[0.05] * 4, latency=0.3, start_time=0.0),
+        # 1 token: no TPOT (0 for goodput)
+        RequestRecord(prompt_len=20, success=True, output_tokens=1, ttft=0.6, latency=0.6,
+                      start_time=0.5),
+        # 3 tokens, count unknown to the server: len(itl) + 1; TPOT 0.6 / 2 = 0.3
+        RequestRecord(prompt_len=30, success=True, output_tokens=0, ttft=0.2,
+                      itl=[0.3, 0.3], latency=0.8, start_time=1.0),
+        RequestRecord(prompt_len=40, success=False, error="HTTP 503"),
+    ]
+
+
+def test_counts_and_throughputs() -> None:
+    m = compute_metrics(records(), duration_s=2.0)
+    assert (m["completed"], m["failed"]) == (3, 1)
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (60, 9)
+    assert m["output_lens"] == [5, 1, 3, 0]
+    assert m["request_throughput"] == pytest.approx(1.5)
+    assert m["output_throughput"] == pytest.approx(4.5)
+    assert m["total_token_throughput"] == pytest.approx(34.5)
+    assert m["request_goodput"] is None and m["slo_attainment"] is None
+    # B (0.5-1.1 s) and C (1.0-1.8 s) overlap; A's 5 tokens all land in second 0.
+    assert m["max_concurrent_requests"] == 2
+    assert m["max_output_tokens_per_s"] == 5
+
+
+def test_percentiles_mean_median_std() -> None:
+    m = compute_metrics(records(), 2.0, percentiles=[50, 90, 99],
+                        selected=["ttft", "tpot", "itl", "e2el"])
+    # TTFTs 0.1, 0.6, 0.2 s: linear interpolation between order statistics.
+    assert m["mean_ttft_ms"] == pytest.approx(300)
+    assert m["median_ttft_ms"] == pytest.approx(200) == pytest.approx(m["p50_ttft_ms"])
+    assert m["p90_ttft_ms"] == pytest.approx(200 + 0.8 * 400)
+    assert m["std_ttft_ms"] == pytest.approx(1000 * math.sqrt((0.04 + 0.09 + 0.01) / 3))
+    # TPOT over the requests of more than one token: 0.05 and 0.3.
+    assert m["mean_tpot_ms"] == pytest.approx(175) == pytest.approx(m["median_tpot_ms"])
+    # ITLs 0.05 x 4, 0.3 x 2.
+    assert m["median_itl_ms"] == pytest.approx(50)
+    assert m["p99_itl_ms"] == pytest.approx(300)
+    assert m["p90_e2el_ms"] == pytest.approx(float(np.percentile([0.3, 0.6, 0.8], 90)) * 1000)
+    assert "p99_ttft_ms" in m and "p50_e2el_ms" in m
+
+
+@pytest.mark.parametrize(("slos", "good"), [
+    (["ttft:500", "tpot:100"], 1),  # B's TTFT and C's TPOT are over
+    (["ttft:650"], 3),
+    (["e2el:700"], 2),  # C's 800 ms is over
+    (["tpot:0"], 1),  # only the one-token request (TPOT 0) meets it
+])
+def test_goodput(slos: list[str], good: int) -> None:
+    m = compute_metrics(records(), 2.0, goodput=parse_goodput(slos))
+    assert m["request_goodput"] == pytest.approx(good / 2.0)
+    assert m["slo_attainment"] == pytest.approx(good / 4)
+
+
+def test_nothing_completed_reports_zeros() -> None:
+    m = compute_metrics([RequestRecord(prompt_len=5, error="refused")], 1.0,
+                        goodput={"ttft": 100.0})
+    assert m["completed"] == 0 and m["failed"] == 1 and m["request_goodput"] == 0
+    assert m["mean_ttft_ms"] == 0 and m["p99_itl_ms"] == 0
+
+
+@pytest.mark.parametrize("bad", ["ttft", "latency:5", "ttft:fast", "tpot:-1"])
+def test_bad_goodput_is_named(bad: str) -> None:
+    with pytest.raises(ValueError, match="goodput"):
+        parse_goodput([bad])
+
+
+def test_arrivals_poisson_rescaled_and_all_at_once() -> None:
+    t = _arrival_times(100, 4.0, 1.0, np.random.default_rng(0))
+    assert t == sorted(t) and t[-1] == pytest.approx(25.0) and t[0] > 0
+    assert _arrival_times(3, math.inf, 1.0, np.random.default_rng(0)) == [0.0] * 3
+    with pytest.raises(ValueError, match="burstiness"):
+        _arrival_times(3, 1.0, 0.0, np.random.default_rng(0))
+
+
+def test_random_and_prefix_repetition_datasets() -> None:
+    reqs = random_requests(50, 100, 20, 0.5, vocab_size=1000, seed=3)
+    assert reqs == random_requests(50, 100, 20, 0.5, vocab_size=1000, seed=3)
+    assert all(50 <= r.prompt_len == len(r.prompt) <= 150 for r in reqs)
+    assert all(10 <= r.expected_output_len <= 30 for r in reqs)
+    assert all(100 <= t < 900 for r in reqs for t in r.prompt)
+    reqs = prefix_repetition_requests(12, 32, 8, 3, 16, vocab_size=1000, seed=0)
+    prefixes = {tuple(r.prompt[:32]) for r in reqs}
+    assert len(prefixes) == 3 and len({tuple(r.prompt) for r in reqs}) == 12
+    assert all(r.prompt_len == 40 and r.expected_output_len == 16 for r in reqs)
