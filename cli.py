@@ -38,6 +38,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="launch each step before reading the previous step's tokens, so the "
                         "host prepares the next step while the GPU computes (default: on for "
                         "CUDA, off on the CPU)")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer: prompts are token ids and outputs carry token ids "
+                        "with empty text (needed for dummy weights, which have none)")
     g.add_argument("--max-num-seqs", type=int, default=64,
                    help="most requests running at once (default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -132,17 +135,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how to read --model (default: %(default)s)")
     g.add_argument("--max-model-len", type=int, default=8192,
                    help="context length, for chat's default max_tokens (default: %(default)s)")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="serve token ids only (prompts as token ids; no chat endpoint, no "
+                        "stop strings; outputs carry token_ids and empty text)")
     router.set_defaults(func=_router)
 
     up = sub.add_parser(
-        "up", help="start a router, a prefill node and a decode node on this machine",
-        description="Start one prefill node and one decode node (child processes) and the "
-                    "router, wait until they are healthy, print the URL, and stop all of "
-                    "them on Ctrl-C.",
+        "up", help="start a router and its prefill and decode nodes on this machine",
+        description="Start the nodes (child processes) and the router, wait until they are "
+                    "healthy, print the URL, and stop all of them on Ctrl-C. Nodes that "
+                    "share a CUDA device split --gpu-memory-fraction between them.",
     )
     up.add_argument("--connector", default="tcp", choices=["tcp", "ucx", "nccl", "ipc"],
                     help="how KV moves from the prefill to the decode node "
                          "(default: %(default)s)")
+    g = up.add_argument_group("nodes")
+    g.add_argument("--prefill", type=int, default=1, metavar="N",
+                   help="prefill nodes (default: %(default)s)")
+    g.add_argument("--decode", type=int, default=1, metavar="M",
+                   help="decode nodes (default: %(default)s)")
+    g.add_argument("--colocated", type=int, default=None, metavar="N",
+                   help="instead: N nodes that each prefill and decode their own requests "
+                        "(no prefill pool), to compare against disaggregation")
+    g.add_argument("--prefill-devices", default=None, metavar="DEV[,DEV...]",
+                   help="device of each prefill node, or one for all (default: --device)")
+    g.add_argument("--decode-devices", default=None, metavar="DEV[,DEV...]",
+                   help="device of each decode (or colocated) node, or one for all "
+                        "(default: --device)")
     _add_router_args(up)
     _add_engine_args(up)
     up.set_defaults(func=_up)

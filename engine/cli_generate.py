@@ -33,6 +33,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        skip_tokenizer_init=args.skip_tokenizer_init,
     )
 
 

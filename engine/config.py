@@ -213,6 +213,8 @@ class EngineConfig:
     # Launch each step before reading the previous one's tokens, so host work overlaps
     # the GPU's; None: on for CUDA, off on the CPU (where nothing runs alongside).
     async_scheduling: bool | None = None
+    # No tokenizer even if the model has one: prompts and outputs as token ids only.
+    skip_tokenizer_init: bool = False
 
     def with_scheduler(self, **changes: Any) -> EngineConfig:
         return replace(self, scheduler=replace(self.scheduler, **changes))

@@ -73,7 +73,7 @@ class LLMEngine:
         else:
             model.load_weights(load_weights(src, config.dtype))
         model.eval()
-        self.tokenizer = load_tokenizer(src)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(src)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.eos_token_ids = tuple(sorted(eos))
 

@@ -46,8 +46,11 @@ def num_kv_blocks(
         return cache.num_blocks
     per_block = kv_block_bytes(config, cache.block_size, dtype)
     if device.type == "cuda":
+        # This process may hold the fraction of the device (other nodes placed on it hold
+        # theirs): the KV cache gets what its weights leave, and never more than is free.
         free, total = torch.cuda.mem_get_info(device)
-        budget = free - (1 - cache.kv_cache_memory_fraction) * total
+        held = torch.cuda.memory_reserved(device)
+        budget = min(free, cache.kv_cache_memory_fraction * total - held)
     else:
         budget = cache.kv_cache_bytes
     blocks = int(budget // per_block) - 1  # one more is the null block

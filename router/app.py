@@ -40,12 +40,13 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default; chat defaults to the co
 @dataclass
 class RouterSettings:
     model: str  # the model id clients name
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: token ids only (--skip-tokenizer-init)
     prefill: list[str]  # host:port of each prefill node
     decode: list[str]
     flow: FlowConfig = field(default_factory=FlowConfig)
     max_model_len: int = 8192
     index: str = "memory"  # or redis://...: see router/index.py
+    vocab_size: int | None = None  # bounds prompt token ids; None: the tokenizer's
 
 
 def create_app(settings: RouterSettings) -> FastAPI:
@@ -86,20 +87,35 @@ def create_app(settings: RouterSettings) -> FastAPI:
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    vocab_size = settings.vocab_size or (settings.tokenizer.vocab_size
+                                         if settings.tokenizer is not None else 0)
+
+    def need_tokenizer(what: str, param: str) -> None:
+        # Without a tokenizer there is no text to read or to stop on.
+        if settings.tokenizer is None:
+            raise APIError(f"this server runs without a tokenizer (--skip-tokenizer-init): "
+                           f"{what}", param, "tokenizer_skipped")
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest, settings.model)
         prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            need_tokenizer("send the prompt as token ids", "prompt")
+        if body.stop:
+            need_tokenizer("stop strings cannot match; use stop_token_ids", "stop")
         params = body.sampling_params(body.max_tokens, DEFAULT_MAX_TOKENS)
-        ids = await asyncio.to_thread(_tokens, settings.tokenizer, prompt)
+        ids = await asyncio.to_thread(_tokens, settings.tokenizer, prompt, vocab_size)
         return await _respond(request, body, ids, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await _parse(request, ChatRequest, settings.model)
+        need_tokenizer("chat needs a chat template; use /v1/completions with token ids",
+                       "messages")
         conversation = body.conversation()
         text = await asyncio.to_thread(settings.tokenizer.apply_chat_template, conversation)
-        ids = await asyncio.to_thread(_tokens, settings.tokenizer, text)
+        ids = await asyncio.to_thread(_tokens, settings.tokenizer, text, vocab_size)
         max_tokens = body.max_completion_tokens or body.max_tokens
         room = max(1, settings.max_model_len - len(ids))
         params = body.sampling_params(max_tokens, room)
@@ -121,7 +137,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         except StreamBroken as exc:
             raise APIError(str(exc), status=502, kind="server_error") from None
         metrics.ttft.observe(time.monotonic() - started)
-        shape = _Shape(rid, settings.model, chat)
+        shape = _Shape(rid, settings.model, chat, settings.tokenizer is None)
         headers = {"X-Request-Id": rid}
         if not body.stream:
             return JSONResponse(await _collect(first, chunks, shape, started), headers=headers)
@@ -131,15 +147,16 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     async def _collect(first: pb.GenerateChunk, chunks: AsyncIterator[pb.GenerateChunk],
                        shape: _Shape, started: float) -> dict[str, Any]:
-        text, last = [first.text], first
+        text, ids, last = [first.text], list(first.token_ids), first
         try:
             async for chunk in chunks:
                 text.append(chunk.text)
+                ids += chunk.token_ids
                 last = chunk
         except StreamBroken as exc:
             raise APIError(str(exc), status=502, kind="server_error") from None
         _observe_end(last, started)
-        return shape.whole("".join(text), last)
+        return shape.whole("".join(text), last, ids)
 
     async def _sse(first: pb.GenerateChunk, chunks: AsyncIterator[pb.GenerateChunk],
                    shape: _Shape, include_usage: bool, started: float) -> AsyncIterator[str]:
@@ -196,11 +213,13 @@ async def _parse(request: Request, model: type[BaseModel], served: str) -> Any:
     return body
 
 
-def _tokens(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
+def _tokens(tokenizer: Tokenizer | None, prompt: str | list[int], vocab_size: int
+            ) -> list[int]:
     if isinstance(prompt, str):
+        assert tokenizer is not None
         return tokenizer.encode(prompt)
-    if not all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in prompt):
-        raise APIError(f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
+        raise APIError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
     return list(prompt)
 
 
@@ -225,6 +244,7 @@ class _Shape:
     rid: str
     model: str
     chat: bool
+    token_ids: bool = False  # no tokenizer: each choice carries its token ids
     created: int = field(default_factory=lambda: int(time.time()))
 
     def chunk(self, delta: dict[str, Any] | str | None, finish: str | None) -> dict[str, Any]:
@@ -242,15 +262,20 @@ class _Shape:
         if self.chat:
             return self.chunk({"content": chunk.text} if chunk.text or not finish else {},
                               finish)
-        return self.chunk(chunk.text, finish)
+        out = self.chunk(chunk.text, finish)
+        if self.token_ids:
+            out["choices"][0]["token_ids"] = list(chunk.token_ids)
+        return out
 
-    def whole(self, text: str, last: pb.GenerateChunk) -> dict[str, Any]:
+    def whole(self, text: str, last: pb.GenerateChunk, token_ids: list[int]) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "logprobs": None,
                                   "finish_reason": _finish(last.finish_reason)}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
+            if self.token_ids:
+                choice["token_ids"] = token_ids
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice],
                 "usage": _usage(last)}

@@ -1,5 +1,5 @@
-"""`tandem router` (the OpenAI API over running nodes) and `tandem up` (a router, one
-prefill node and one decode node on this machine, stopped together on Ctrl-C)."""
+"""`tandem router` (the OpenAI API over running nodes) and `tandem up` (a router and its
+nodes on this machine, disaggregated or colocated, stopped together on Ctrl-C)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import uvicorn
 
-from tandem.engine.loader import load_tokenizer, resolve_model
+from tandem.engine.loader import load_model_config, load_tokenizer, resolve_model
 from tandem.router.app import RouterSettings, create_app
 from tandem.router.flow import FlowConfig
 
@@ -38,11 +39,14 @@ def router_settings(args: argparse.Namespace, prefill: Sequence[str],
                     decode: Sequence[str]) -> RouterSettings:
     if not decode:
         raise ValueError("at least one --decode node is needed")
-    tokenizer = load_tokenizer(resolve_model(args.model, args.load_format))
-    if tokenizer is None:
-        raise ValueError(f"model {args.model!r} has no tokenizer; the router needs one")
+    src = resolve_model(args.model, args.load_format)
+    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(src)
+    if tokenizer is None and not args.skip_tokenizer_init:
+        raise ValueError(f"model {args.model!r} has no tokenizer; start with "
+                         f"--skip-tokenizer-init to serve token ids")
     return RouterSettings(args.served_model_name or args.model, tokenizer, list(prefill),
-                          list(decode), flow_config(args), args.max_model_len, args.index)
+                          list(decode), flow_config(args), args.max_model_len, args.index,
+                          load_model_config(src).vocab_size)
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -52,26 +56,66 @@ def run_router(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class NodePlan:
+    role: str  # "prefill" or "decode"
+    device: str
+    memory_fraction: float  # of its device, shared with the nodes placed beside it
+
+
+def plan_nodes(args: argparse.Namespace) -> list[NodePlan]:
+    """Which nodes `tandem up` starts, where: --prefill N --decode M (or --colocated N
+    decode nodes that prefill their own prompts), each role's devices from its
+    --*-devices list (one per node, or one for all). Nodes on one CUDA device split
+    --gpu-memory-fraction evenly. Raises ValueError for inconsistent flags."""
+    if args.colocated is not None:
+        if args.colocated < 1:
+            raise ValueError("--colocated needs at least 1 node")
+        if args.prefill_devices:
+            raise ValueError("--colocated has no prefill nodes: drop --prefill-devices")
+        counts = {"prefill": 0, "decode": args.colocated}
+    else:
+        if args.prefill < 0 or args.decode < 1:
+            raise ValueError("--decode needs at least 1 node and --prefill 0 or more")
+        counts = {"prefill": args.prefill, "decode": args.decode}
+    devices: dict[str, list[str]] = {}
+    for role, n in counts.items():
+        given = getattr(args, f"{role}_devices")
+        names = [d.strip() for d in given.split(",") if d.strip()] if given else [args.device]
+        if len(names) not in (1, n) and n:
+            raise ValueError(f"--{role}-devices names {len(names)} devices for {n} "
+                             f"{role} nodes: give one per node, or one for all")
+        devices[role] = names * n if len(names) == 1 else names
+    roles = [(role, devices[role][i]) for role, n in counts.items() for i in range(n)]
+    sharing = {d: sum(1 for _, x in roles if x == d) for _, d in roles}
+    return [NodePlan(role, d, args.gpu_memory_fraction / (sharing[d] if "cuda" in d else 1))
+            for role, d in roles]
+
+
 def run_up(args: argparse.Namespace) -> int:
-    """Start a prefill node and a decode node as child processes, then the router here;
-    Ctrl-C (or SIGTERM) stops all three."""
+    """Start the planned nodes as child processes, then the router here; Ctrl-C (or
+    SIGTERM) stops them all."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     flow_config(args)  # bad flags fail before anything starts
+    plan = plan_nodes(args)
     children: list[subprocess.Popen] = []
     signal.signal(signal.SIGTERM, _interrupt)  # until uvicorn takes it over
     try:
-        addresses = {}
-        for role in ("prefill", "decode"):
+        for node in plan:
+            flags = _engine_flags(args, device=node.device,
+                                  memory_fraction=node.memory_fraction)
             child = subprocess.Popen(
-                [sys.executable, "-m", "tandem.cli", "node", "--role", role,
-                 "--port", "0", "--connector", args.connector, *_engine_flags(args),
+                [sys.executable, "-m", "tandem.cli", "node", "--role", node.role,
+                 "--port", "0", "--connector", args.connector, *flags,
                  *(["--index", args.index] if args.index != "memory" else [])],
                 stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True)
             children.append(child)
-        for role, child in zip(("prefill", "decode"), children):
-            addresses[role] = _wait_ready(child, role)
-            print(f"{role} node ready at {addresses[role]}", flush=True)
-        app = create_app(router_settings(args, [addresses["prefill"]], [addresses["decode"]]))
+        addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for node, child in zip(plan, children):
+            address = _wait_ready(child, node.role)
+            addresses[node.role].append(address)
+            print(f"{node.role} node ready at {address} on {node.device}", flush=True)
+        app = create_app(router_settings(args, addresses["prefill"], addresses["decode"]))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
         server = uvicorn.Server(config)
         threading.Thread(target=_announce, args=(server, args), daemon=True).start()
@@ -88,13 +132,15 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def _engine_flags(args: argparse.Namespace) -> list[str]:
+def _engine_flags(args: argparse.Namespace, device: str, memory_fraction: float) -> list[str]:
     flags = ["--model", args.model, "--load-format", args.load_format, "--dtype", args.dtype,
-             "--device", args.device, "--block-size", str(args.block_size),
+             "--device", device, "--block-size", str(args.block_size),
              "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--max-model-len", str(args.max_model_len), "--seed", str(args.seed),
-             "--gpu-memory-fraction", str(args.gpu_memory_fraction)]
+             "--gpu-memory-fraction", str(memory_fraction)]
+    if args.skip_tokenizer_init:
+        flags.append("--skip-tokenizer-init")
     if args.attention_backend is not None:
         flags += ["--attention-backend", args.attention_backend]
     if args.enforce_eager:

@@ -1,0 +1,143 @@
+"""`tandem up`'s node plans (--prefill N --decode M, --colocated N, devices per role and
+memory shares), and two real clusters of the tiny dummy model served as token ids
+(--skip-tokenizer-init): colocated (one node that prefills and decodes) and 2P1D; both
+give the offline engine's tokens."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from serving_helpers import free_port, metric_samples
+
+from tandem import LLM, SamplingParams
+from tandem.cli import build_parser
+from tandem.router.main import NodePlan, plan_nodes
+
+TINY = ["--model", "tiny", "--load-format", "dummy", "--skip-tokenizer-init"]
+
+
+def up_args(*flags: str) -> argparse.Namespace:
+    return build_parser().parse_args(["up", *flags])
+
+
+def test_default_plan_is_one_prefill_and_one_decode_node() -> None:
+    assert plan_nodes(up_args()) == [NodePlan("prefill", "cpu", 0.85),
+                                     NodePlan("decode", "cpu", 0.85)]
+
+
+def test_devices_per_role_and_shared_devices_split_the_memory() -> None:
+    plan = plan_nodes(up_args("--prefill", "2", "--decode", "1", "--prefill-devices",
+                              "cuda:0,cuda:1", "--decode-devices", "cuda:1"))
+    assert plan == [NodePlan("prefill", "cuda:0", 0.85), NodePlan("prefill", "cuda:1", 0.425),
+                    NodePlan("decode", "cuda:1", 0.425)]
+    # 1P1D on one GPU: each node may hold half of the fraction.
+    plan = plan_nodes(up_args("--device", "cuda", "--gpu-memory-fraction", "0.8"))
+    assert [n.memory_fraction for n in plan] == [0.4, 0.4]
+
+
+def test_colocated_plan_has_decode_nodes_only() -> None:
+    plan = plan_nodes(up_args("--colocated", "2", "--decode-devices", "cuda:0,cuda:1"))
+    assert plan == [NodePlan("decode", "cuda:0", 0.85), NodePlan("decode", "cuda:1", 0.85)]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--prefill", "2", "--prefill-devices", "cuda:0,cuda:1,cuda:2"], "3 devices for 2"),
+    (["--colocated", "1", "--prefill-devices", "cuda:0"], "no prefill nodes"),
+    (["--decode", "0"], "at least 1"),
+    (["--colocated", "0"], "at least 1"),
+])
+def test_inconsistent_plans_are_refused(flags: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        plan_nodes(up_args(*flags))
+
+
+# --- real clusters ---------------------------------------------------------------------
+
+
+def _up(flags: list[str]) -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "up", "--port", str(port), *TINY, *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "Tandem is up" in line:
+                break
+        else:
+            pytest.fail("tandem up exited: " + "".join(lines[-30:]))
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module", params=[["--colocated", "1"], ["--prefill", "2"]],
+                ids=["colocated", "2P1D"])
+def cluster(request: pytest.FixtureRequest) -> Iterator[tuple[str, list[str]]]:
+    yield from ((url, request.param) for url in _up(request.param))
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM("tiny", load_format="dummy")
+
+
+def _post(url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_token_ids_in_token_ids_out_equal_the_offline_engine(cluster, offline: LLM) -> None:  # noqa: ANN001
+    url, flags = cluster
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+        roles = sorted(name.split("@")[0] for name in json.loads(r.read())["nodes"])
+    assert roles == (["decode"] if "--colocated" in flags else ["decode", "prefill", "prefill"])
+    prompts = [[5, 17, 99, 3, 250, 41, 7], list(range(100, 140))]
+    for prompt in prompts:
+        want = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12,
+                                                       ignore_eos=True))[0]
+        status, got = _post(url, "/v1/completions", {
+            "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True})
+        assert status == 200, got
+        choice = got["choices"][0]
+        assert choice["token_ids"] == want.token_ids and choice["text"] == ""
+        assert got["usage"]["completion_tokens"] == 12
+    local = sum(v for name, labels, v in metric_samples(url)
+                if name == "tandem:router_requests_total" and labels.get("pool") == "decode-local")
+    # Colocated: no prefill pool, the decode node computed every prompt; 2P1D: none.
+    assert local == (len(prompts) if "--colocated" in flags else 0)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": "some text"}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 3], "stop": ["x"]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+])
+def test_text_without_a_tokenizer_is_a_400(cluster, path: str, body: dict, param: str) -> None:  # noqa: ANN001
+    status, got = _post(cluster[0], path, {"model": "tiny", **body})
+    assert status == 400 and got["error"]["param"] == param
+    assert got["error"]["code"] == "tokenizer_skipped"
