@@ -11,6 +11,11 @@ steps while requests are unfinished and hands each request's outputs to its list
 A listener runs on the loop thread and must not block. If a step raises (a bug), every
 unfinished request is aborted and its listener gets the exception, so no caller waits
 forever; the loop goes on with new requests.
+
+`EngineLoop(engine, thread=False)` starts no thread: its owner calls `run()` on the
+process's main thread (a node does). On the CPU, steps there run ~1.4x faster than on
+another thread (SmolLM2 on 2 cores, 57 against 84 ms a token): OpenMP's thread team
+of a second master thread waits on the first's.
 """
 
 from __future__ import annotations
@@ -34,15 +39,18 @@ _IDLE_WAIT_S = 0.05  # an idle loop wakes this often to look at `closed`
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, thread: bool = True) -> None:
         self.engine = engine
         self._calls: queue.SimpleQueue[tuple[Callable[[LLMEngine], object], Future]] = (
             queue.SimpleQueue())
         self._listeners: dict[str, Listener] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._stopped = threading.Event()  # run() has returned
+        self._thread: threading.Thread | None = None
+        if thread:
+            self._thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
+            self._thread.start()
 
     def submit(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         """Run `fn(engine)` on the loop thread, between two steps."""
@@ -67,19 +75,24 @@ class EngineLoop:
             self._listeners.pop(request_id, None)
 
     def close(self) -> None:
+        """Stop the loop and wait (up to 30 s) until it has; from any thread but its own."""
         self._closed.set()
-        self._thread.join(timeout=30)
-        while not self._calls.empty():  # nobody will run these now
-            _, future = self._calls.get_nowait()
-            future.set_exception(RuntimeError("the engine loop is closed"))
+        self._stopped.wait(timeout=30)
 
     # -- the loop thread -------------------------------------------------------------------
 
-    def _run(self) -> None:
-        while not self._closed.is_set():
-            self._run_calls(block=not self.engine.has_unfinished)
-            if self.engine.has_unfinished:
-                self._step()
+    def run(self) -> None:
+        """Step until `close()`; on the loop's own thread, or the owner's (thread=False)."""
+        try:
+            while not self._closed.is_set():
+                self._run_calls(block=not self.engine.has_unfinished)
+                if self.engine.has_unfinished:
+                    self._step()
+        finally:
+            while not self._calls.empty():  # nobody will run these now
+                _, future = self._calls.get_nowait()
+                future.set_exception(RuntimeError("the engine loop is closed"))
+            self._stopped.set()
 
     def _run_calls(self, block: bool) -> None:
         try:

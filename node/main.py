@@ -13,7 +13,6 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.kvtransfer.index import get_index
 from tandem.node.server import NodeService, run_until_stopped, serve
 
-
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -21,7 +20,8 @@ def run_node(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config(args))
     index = get_index(args.index, engine.model_name) if args.index else None
-    service = NodeService(engine, args.role, args.connector, args.transfer_host, index)
+    service = NodeService(engine, args.role, args.connector, args.transfer_host, index,
+                          engine_thread=False)
     server, port = serve(service, args.host, args.port)
     # The engine thread runs Python most of a step and rarely waits: with the default
     # 5 ms switch interval, each hand-off of a token to a gRPC thread could wait that
@@ -32,8 +32,14 @@ def run_node(args: argparse.Namespace) -> int:
     # One line a launcher waits for: the role, the model and where to reach the node.
     print(f"tandem node ready: role={args.role} model={engine.model_name} "
           f"grpc={args.host}:{port} transfer={service.decode.address}", flush=True)
+    closer = threading.Thread(target=run_until_stopped, args=(server, service, stop),
+                              name="node-stop")
+    closer.start()
     try:
-        run_until_stopped(server, service, stop)
+        service.loop.run()  # the engine steps on the main thread (see EngineLoop)
     except KeyboardInterrupt:
         pass
+    finally:
+        stop.set()
+        closer.join(timeout=60)
     return 0

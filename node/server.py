@@ -46,14 +46,15 @@ _POLL_S = 0.1  # a streaming call looks at its client this often while no token 
 class NodeService(pb_grpc.NodeServicer):
     def __init__(self, engine: LLMEngine, role: str, connector: str = "tcp",
                  transfer_host: str = "127.0.0.1", index: BlockIndex | None = None,
-                 **connector_options: object) -> None:
+                 engine_thread: bool = True, **connector_options: object) -> None:
         """`index`: a shared block-hash index (Redis) this node publishes its blocks to,
-        as its address (`serve` sets it); routers also follow `BlockEvents`."""
+        as its address (`serve` sets it); routers also follow `BlockEvents`.
+        `engine_thread=False`: the caller runs `self.loop.run()` (on the main thread)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
         self.role = ROLES[role]
         self.accepting = True
-        self.loop = EngineLoop(engine)
+        self.loop = EngineLoop(engine, thread=engine_thread)
         caches = engine.runner.kv_caches
         self.layout = KVLayout.of(caches, engine.model_name)
         self.connector_name = connector
@@ -61,7 +62,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.decode = DecodeRole(self.loop, self._connector, transfer_host, self.layout)
         self.prefill = PrefillRole(self.loop, self._connector, self.layout)
         self.events = BlockEvents("", index)
-        self.loop.call(lambda e: setattr(e.block_pool, "on_event", self.events.on_event))
+        engine.block_pool.on_event = self.events.on_event  # before any request runs
 
     def close(self) -> None:
         self.events.close()

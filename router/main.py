@@ -98,6 +98,12 @@ def run_up(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     flow_config(args)  # bad flags fail before anything starts
     plan = plan_nodes(args)
+    env = dict(os.environ)
+    if sum(n.device == "cpu" for n in plan) > 1:
+        # Nodes sharing the CPU: an idle node's OpenMP workers must sleep, not spin on
+        # the cores another node is computing on (8 streams through 1P1D on 2 cores:
+        # 21 -> 41 tok/s).
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     children: list[subprocess.Popen] = []
     signal.signal(signal.SIGTERM, _interrupt)  # until uvicorn takes it over
     try:
@@ -108,7 +114,8 @@ def run_up(args: argparse.Namespace) -> int:
                 [sys.executable, "-m", "tandem.cli", "node", "--role", node.role,
                  "--port", "0", "--connector", args.connector, *flags,
                  *(["--index", args.index] if args.index != "memory" else [])],
-                stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True)
+                stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True,
+                env=env)
             children.append(child)
         addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
         for node, child in zip(plan, children):

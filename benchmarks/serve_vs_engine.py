@@ -1,0 +1,152 @@
+"""How much of the engine's speed survives the serving path: the offline engine and
+`tandem up` in one run, on the same token-id prompts, greedy, exact output lengths.
+
+1. Offline: `LLM.generate` on N prompts at once (generated tok/s), and the engine's
+   decode step time at batch 1 ((t(1 + n tokens) - t(1 token)) / n, median of 3).
+2. Served: `tandem up <--up-flags>`, then `tandem bench serve` with N streams
+   (--max-concurrency N, the same N prompts) and with one stream.
+3. The ratios: served tok/s at N streams / offline tok/s at batch N, and the median ITL
+   at one stream / the engine's batch-1 step time.
+
+    python benchmarks/serve_vs_engine.py --json benchmarks/results/serve_vs_engine_cpu.json
+    python benchmarks/serve_vs_engine.py --up-flags="--colocated 1"
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tandem import LLM, SamplingParams
+from tandem.bench.datasets import random_requests
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="(default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="(default: %(default)s)")
+    p.add_argument("--dtype", default="float32", help="(default: %(default)s)")
+    p.add_argument("--streams", type=int, default=8, help="N (default: %(default)s)")
+    p.add_argument("--input-len", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument("--output-len", type=int, default=64, help="(default: %(default)s)")
+    p.add_argument("--single-stream-prompts", type=int, default=3,
+                   help="requests of the one-stream run (default: %(default)s)")
+    p.add_argument("--up-flags", default="", help="more flags for tandem up, quoted")
+    p.add_argument("--port", type=int, default=8390, help="(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    return p.parse_args()
+
+
+def offline(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    t = time.perf_counter()
+    outs = llm.generate(prompts, greedy)
+    batch_s = time.perf_counter() - t
+    assert all(len(o.token_ids) == args.output_len for o in outs)
+    steps = []
+    for p in prompts[:3]:
+        t = time.perf_counter()
+        llm.generate(p, one)
+        t1 = time.perf_counter() - t
+        t = time.perf_counter()
+        llm.generate(p, greedy)
+        steps.append((time.perf_counter() - t - t1) / (args.output_len - 1))
+    del llm
+    gc.collect()
+    return {"batch_s": batch_s, "batch_tok_s": len(prompts) * args.output_len / batch_s,
+            "step_ms_batch1": statistics.median(steps) * 1000}
+
+
+def served(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    url = f"http://127.0.0.1:{args.port}"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "up", "--port", str(args.port), "--model",
+         args.model, "--device", args.device, "--dtype", args.dtype,
+         *shlex.split(args.up_flags)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if json.loads(r.read())["status"] == "ok":
+                        break
+            except OSError:
+                pass
+            if up.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("tandem up did not come up")
+            time.sleep(1)
+        results = {}
+        for name, n, conc in (("warmup", 2, 2), ("streams", args.streams, args.streams),
+                              ("one_stream", args.single_stream_prompts, 1)):
+            subprocess.run(
+                [sys.executable, "-m", "tandem.cli", "bench", "serve", "--base-url", url,
+                 "--num-prompts", str(n), "--random-input-len", str(args.input_len),
+                 "--random-output-len", str(args.output_len), "--max-concurrency", str(conc),
+                 "--seed", str(args.seed), "--metric-percentiles", "50,90,99",
+                 "--save-result", "--result-dir", str(out_dir), "--result-filename",
+                 f"{name}.json", "--disable-tqdm"], check=True, stdout=subprocess.DEVNULL)
+            results[name] = json.loads((out_dir / f"{name}.json").read_text())
+        return results
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        up.wait(timeout=60)
+
+
+def main() -> None:
+    args = parse_args()
+    from tandem.engine.loader import load_model_config, resolve_model
+
+    vocab = load_model_config(resolve_model(args.model, "auto")).vocab_size
+    # The bench's own random prompts (same seed), so both sides see the same token ids.
+    reqs = random_requests(args.streams, args.input_len, args.output_len, 0.0, vocab,
+                           args.seed)
+    prompts = [list(r.prompt) for r in reqs]
+    engine = offline(args, prompts)
+    print(f"offline: batch {args.streams} {engine['batch_tok_s']:.1f} gen tok/s, "
+          f"batch-1 step {engine['step_ms_batch1']:.1f} ms", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        serve = served(args, Path(tmp))
+    many, one = serve["streams"], serve["one_stream"]
+    figures = {
+        "offline_batch_tok_s": engine["batch_tok_s"],
+        "offline_step_ms_batch1": engine["step_ms_batch1"],
+        "served_streams_tok_s": many["output_throughput"],
+        "served_one_stream_median_itl_ms": one["median_itl_ms"],
+        "served_one_stream_tok_s": one["output_throughput"],
+        "served_streams_median_ttft_ms": many["median_ttft_ms"],
+        "streams_ratio": many["output_throughput"] / engine["batch_tok_s"],
+        "itl_over_step": one["median_itl_ms"] / engine["step_ms_batch1"],
+    }
+    print(f"served:  {args.streams} streams {many['output_throughput']:.1f} gen tok/s "
+          f"({figures['streams_ratio']:.0%} of offline; target >= 85%), one stream median "
+          f"ITL {one['median_itl_ms']:.1f} ms ({figures['itl_over_step']:.2f}x the step; "
+          f"target <= 1.3x)")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"json": str(args.json)},
+            "cpu_count": os.cpu_count(), "figures": figures,
+            "served": {k: {x: v for x, v in r.items() if not isinstance(v, list)}
+                       for k, r in serve.items()},
+        }, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
