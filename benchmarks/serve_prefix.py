@@ -22,6 +22,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from serve_vs_engine import wait_ok  # benchmarks/, beside this script
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -36,21 +38,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--redis-port", type=int, default=6391, help="(default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     return p.parse_args()
-
-
-def wait_ok(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                health = json.loads(r.read())
-                if health["status"] == "ok" and all(health["nodes"].values()):
-                    return
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("tandem up did not come up")
-        time.sleep(1)
 
 
 def cache_counters(url: str) -> tuple[float, float]:

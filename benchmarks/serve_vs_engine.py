@@ -73,6 +73,22 @@ def offline(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, flo
             "step_ms_batch1": statistics.median(steps) * 1000}
 
 
+def wait_ok(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    """Until `tandem up` at `url` reports every node up; raises if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                health = json.loads(r.read())
+                if health["status"] == "ok" and all(health["nodes"].values()):
+                    return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("tandem up did not come up")
+        time.sleep(1)
+
+
 def served(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     url = f"http://127.0.0.1:{args.port}"
     up = subprocess.Popen(
@@ -81,17 +97,7 @@ def served(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
          *shlex.split(args.up_flags)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if json.loads(r.read())["status"] == "ok":
-                        break
-            except OSError:
-                pass
-            if up.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("tandem up did not come up")
-            time.sleep(1)
+        wait_ok(url, up)
         results = {}
         for name, n, conc in (("warmup", 2, 2), ("streams", args.streams, args.streams),
                               ("one_stream", args.single_stream_prompts, 1)):

@@ -3,18 +3,22 @@ their own process groups, waited for, read through /metrics, and stopped."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 
 from redis_server import free_port
 
-__all__ = ["free_port", "metric_samples", "node_address", "start", "stop", "wait_up"]
+__all__ = ["free_port", "metric_samples", "node_address", "start", "stop", "tandem_up",
+           "wait_up"]
 
 
 def start(args: list[str]) -> subprocess.Popen:
@@ -70,3 +74,31 @@ def metric_samples(url: str) -> list[tuple[str, dict[str, str], float]]:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m[2] or ""))
             out.append((m[1], labels, float(m[3])))
     return out
+
+
+@contextlib.contextmanager
+def tandem_up(flags: list[str]) -> Iterator[tuple[str, subprocess.Popen, int]]:
+    """`tandem up --port P <flags>` until it says it is up; yields (url, process, port),
+    then stops it with Ctrl-C (SIGINT), failing if it does not stop within 30 s."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "up", "--port", str(port), *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "Tandem is up" in line:
+                break
+        else:
+            raise AssertionError("tandem up exited: " + "".join(lines[-30:]))
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+        yield f"http://127.0.0.1:{port}", proc, port
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError("tandem up did not stop on Ctrl-C") from None

@@ -5,8 +5,6 @@ offline engine's, disaggregation visible in the metrics, clear 400s, nothing lea
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +16,7 @@ from typing import Any
 
 import pytest
 from openai import OpenAI
-from serving_helpers import free_port, metric_samples
+from serving_helpers import metric_samples, tandem_up
 
 from tandem import LLM, SamplingParams
 
@@ -32,29 +30,8 @@ QUESTIONS = ["What is the capital of France?", "Name three colors.",
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "up", "--port", str(port), "--num-kv-blocks",
-         "512", "--max-model-len", "2048"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines: list[str] = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "Tandem is up" in line:
-                break
-        else:
-            pytest.fail("tandem up exited: " + "".join(lines[-30:]))
-        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail("tandem up did not stop on Ctrl-C")
+    with tandem_up(["--num-kv-blocks", "512", "--max-model-len", "2048"]) as (url, proc, port):
+        yield url
     # Its nodes are gone with it.
     out = subprocess.run(["pgrep", "-f", f"--port {port}|tandem.cli node"], capture_output=True)
     assert proc.returncode == 0 and out.stdout.strip() == b"", out.stdout

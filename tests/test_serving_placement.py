@@ -7,18 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
-import sys
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from serving_helpers import free_port, metric_samples
+from serving_helpers import metric_samples, tandem_up
 
 from tandem import LLM, SamplingParams
 from tandem.cli import build_parser
@@ -65,34 +60,11 @@ def test_inconsistent_plans_are_refused(flags: list[str], message: str) -> None:
 # --- real clusters ---------------------------------------------------------------------
 
 
-def _up(flags: list[str]) -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "up", "--port", str(port), *TINY, *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines: list[str] = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "Tandem is up" in line:
-                break
-        else:
-            pytest.fail("tandem up exited: " + "".join(lines[-30:]))
-        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
 @pytest.fixture(scope="module", params=[["--colocated", "1"], ["--prefill", "2"]],
                 ids=["colocated", "2P1D"])
 def cluster(request: pytest.FixtureRequest) -> Iterator[tuple[str, list[str]]]:
-    yield from ((url, request.param) for url in _up(request.param))
+    with tandem_up([*TINY, *request.param]) as (url, _, _):
+        yield url, request.param
 
 
 @pytest.fixture(scope="module")
