@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a shared block-hash index (redis://host:port/db) this node "
                            "publishes its KV blocks to; without it, routers follow the "
                            "node's block events themselves (default: none)")
+    _add_cluster_secret_args(node)
     _add_engine_args(node)
     node.set_defaults(func=_node)
 
@@ -184,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:
+    from tandem.router.limits import Limits
+
     g = p.add_argument_group("router")
     g.add_argument("--host", default="127.0.0.1",
                    help="address the HTTP API listens on (default: %(default)s)")
@@ -204,6 +207,49 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    choices=["recompute", "fail"],
                    help="when a prefill node or its KV transfer fails: compute the prompt on "
                         "the decode node, or fail the request (default: %(default)s)")
+    g = p.add_argument_group("limits (each answered with the OpenAI error JSON)")
+    g.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes,
+                   help="a larger request body gets 413 (default: %(default)s)")
+    g.add_argument("--max-stop-strings", type=int, default=Limits.max_stop_strings,
+                   help="more stop strings than this get 400 (default: %(default)s)")
+    g.add_argument("--max-stop-length", type=int, default=Limits.max_stop_chars,
+                   help="a longer stop string (characters) gets 400 (default: %(default)s)")
+    g.add_argument("--default-chat-max-tokens", type=int,
+                   default=Limits.default_chat_max_tokens,
+                   help="tokens a chat request without max_tokens may generate, or fewer if "
+                        "the context has less room (default: %(default)s)")
+    g.add_argument("--max-concurrent-requests", type=int,
+                   default=Limits.max_concurrent_requests,
+                   help="completion requests in flight at once (a stream counts until it "
+                        "ends); more get 429 with Retry-After; 0: no limit "
+                        "(default: %(default)s)")
+    g = p.add_argument_group("authentication (prefer the environment variables or files: "
+                             "flags show in the process list)")
+    g.add_argument("--api-key", default=None,
+                   help="clients must send Authorization: Bearer KEY on every route but "
+                        "/health (and /metrics, see --protect-metrics); else TANDEM_API_KEY; "
+                        "unset: the API is open (default)")
+    g.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file")
+    g.add_argument("--admin-token", default=None,
+                   help="the bearer token of the /admin/v1 routes (never the API key); else "
+                        "TANDEM_ADMIN_TOKEN; unset: the admin API is closed (default)")
+    g.add_argument("--admin-token-file", default=None, metavar="PATH",
+                   help="read the admin token from this file")
+    g.add_argument("--protect-metrics", action="store_true",
+                   help="/metrics needs the API key too (default: open, for scrapers)")
+    _add_cluster_secret_args(p)
+
+
+def _add_cluster_secret_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster secret")
+    g.add_argument("--cluster-secret", default=None,
+                   help="nodes obey only gRPC calls and KV transfers that prove this secret; "
+                        "the router and every node of a cluster need the same one; else "
+                        "TANDEM_CLUSTER_SECRET; unset: nodes obey anyone who reaches their "
+                        "ports (default)")
+    g.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                   help="read the cluster secret from this file")
 
 
 def _router(args: argparse.Namespace) -> int:

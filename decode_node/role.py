@@ -28,11 +28,12 @@ from tandem.node.loop import EngineLoop, Listener
 
 class DecodeRole:
     def __init__(self, loop: EngineLoop, connector: Connector, host: str,
-                 layout: KVLayout) -> None:
+                 layout: KVLayout, secret: bytes | None = None) -> None:
+        """`secret`: the cluster secret a sender's begin must prove (kvtransfer/auth.py)."""
         self.loop, self.layout = loop, layout
         self.connector = connector
         self.agent = TransferAgent(loop.engine.runner.kv_caches, layout, connector,
-                                   self._sink_freed, host)
+                                   self._sink_freed, host, secret=secret)
         self._lock = threading.Lock()
         self._sinks: dict[int, str] = {}  # a sink's first block id -> its request
         self.kv_bytes_received = 0
@@ -102,8 +103,7 @@ class DecodeRole:
     def abort(self, request_id: str, reason: str) -> bool:
         """Fail its sink (which frees its blocks) and stop it in the engine."""
         sink_ended = self.agent.holds(request_id) and self.agent.abort(request_id, reason)
-        out = self.loop.call(lambda e: e.abort(request_id))
-        return sink_ended or out is not None
+        return self.loop.abort(request_id) or sink_ended
 
     def close(self) -> None:
         self.agent.close()

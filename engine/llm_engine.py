@@ -193,6 +193,12 @@ class LLMEngine:
         self._reserved[req.request_id] = req
         return cached
 
+    def cached_prompt_tokens(self, req: Request) -> int:
+        """How many of `req`'s prompt tokens the prefix cache holds now (nothing is
+        allocated: `reserve` or `add` may find fewer if blocks are evicted meanwhile)."""
+        kv = self.scheduler.kv
+        return len(kv.find_cached_blocks(req)) * kv.block_size
+
     def start_decode(self, request_id: str, first_token: int) -> RequestOutput:
         """The reserved request's prompt KV is in place, and `first_token` was sampled
         from it: it joins the running batch (or finishes, if that token ends it)."""

@@ -187,8 +187,9 @@ class ModelRunner:
         return row.index
 
     def _grow_table(self) -> None:
-        # More requests run than max_num_seqs (a decode node's reserved requests join
-        # unscheduled): double the rows; the graphs read step_tables, not this.
+        # More requests hold a row than max_num_seqs (preempted requests keep theirs while
+        # a decode node's reserved ones run): double the rows; the graphs read
+        # step_tables, not this.
         old = self.table
         self.table = torch.full((2 * old.shape[0], self.width), self.null_block,
                                 dtype=torch.int32, device=self.device)

@@ -41,6 +41,9 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
+        # Holding their prompt's blocks (a decode node reserved them), waiting only for a
+        # place among the running (max_num_seqs): they go in first.
+        self.ready: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
         self.num_preemptions = 0
 
@@ -49,17 +52,20 @@ class Scheduler:
 
     def add_running(self, req: Request) -> None:
         """A request that already holds the blocks of its prompt (a decode node reserved
-        them) joins the running batch; its uncomputed tokens are computed from the next
-        step on."""
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
+        them) joins the running batch as soon as fewer than max_num_seqs run; its
+        uncomputed tokens are computed from then on."""
+        self.ready.append(req)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.ready or self.running)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
+        while self.ready and len(self.running) < self.config.max_num_seqs:
+            req = self.ready.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
         preemptions_before = self.num_preemptions
@@ -128,6 +134,8 @@ class Scheduler:
         req.status = status
         if req in self.running:
             self.running.remove(req)
+        elif req in self.ready:
+            self.ready.remove(req)
         else:
             self.waiting.remove(req)
         self.kv.free(req)

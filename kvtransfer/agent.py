@@ -1,6 +1,7 @@
 """The receiving side of KV transfers: reservations (sinks) that senders push KV into.
 
-Protocol, per request, on one sender connection (kinds below):
+Protocol, per request, on one sender connection (kinds below; each is one message of
+protos/transfer.proto, which only `messages.py` encodes and decodes):
 
     sender -> begin {request_id, layout, num_blocks[, writer]}
                                                        receiver checks the layout
@@ -21,16 +22,23 @@ Protocol, per request, on one sender connection (kinds below):
 
 A reservation owns its block ids from `reserve` until it is released to the caller
 (`release`, after ready) or fails. It fails, and `free_blocks` is called exactly once, on
-TTL expiry before ready, on `abort` here, on an abort frame, on a layout or protocol
+TTL expiry before release, on `abort` here, on an abort frame, on a layout or protocol
 error, when the sender's connection ends before ready (at disconnect, not at the TTL),
-or on `close()`. The TTL runs from `reserve` to ready; a ready sink has none and waits
-for `release` or `abort` (the caller's request owns it by then). Failed and released
+or on `close()`. The TTL is a lease over every state, from `reserve` to `release`: a
+ready sink nobody releases (its caller died between the push and its Generate) is freed
+when it lapses too. Failed and released
 reservations stay visible to `status` for `keep_s`; a retry may reserve the same id again.
 
 With the ipc connector a sender writes before this side has heard of it: the sink's
 SinkInfo carries a `target` (this cache and its write guard, with the sink's ticket), and
 the blocks of a failed sink are closed to writes (`ipc.WriteGuard`) before they are freed,
 and a ready sink's as `release` hands them over.
+
+Trust: with a cluster `secret`, a begin must carry `auth` (`auth.proof`) or it is
+answered with an abort (`UNAUTHENTICATED`) and leaves the sink as it was, so a forged
+begin neither kills nor takes over a reservation; so must an abort from any connection
+but the sink's accepted one. Payload memory is allocated only for what a sink of the
+connection expects (`_alloc`), so a peer's header can't make this side allocate more.
 
 Locks: `_lock` guards the table; a sink's `write_lock` is held while a layer is
 scattered into its blocks, and failing a sink takes it first, so blocks are never freed
@@ -50,7 +58,9 @@ from typing import Any
 
 import torch
 
+from tandem.kvtransfer.auth import verify
 from tandem.kvtransfer.connector import (
+    PEER,
     Connector,
     Frame,
     TransferError,
@@ -59,12 +69,14 @@ from tandem.kvtransfer.connector import (
 )
 from tandem.kvtransfer.ipc import WriteGuard
 from tandem.kvtransfer.layout import KVLayout, LayoutMismatch
+from tandem.kvtransfer.messages import ABORT, ACCEPT, BEGIN, DONE, END, LAYER
 from tandem.kvtransfer.staging import KVRows, StagingPool
 
 log = logging.getLogger(__name__)
 
-BEGIN, LAYER, END, ABORT, ACCEPT, DONE = "begin", "layer", "end", "abort", "accept", "done"
-LAYOUT_MISMATCH = "layout_mismatch"  # abort `error` code, so the sender can re-raise it typed
+# abort `error` codes, so the sender can raise them typed
+LAYOUT_MISMATCH = "layout_mismatch"
+UNAUTHENTICATED = "unauthenticated"  # a begin without a valid proof of the cluster secret
 # How long a failing sink waits for scatters already queued on the GPU before its blocks
 # are freed (an aborted connection's recvs end at once, so this is only for a stuck GPU).
 _LANDING_GRACE_S = 10.0
@@ -79,7 +91,8 @@ class SinkInfo:
     block_ids: tuple[int, ...]
     layout: dict[str, Any]
     expires_at: float  # time.time(): the one clock both hosts share
-    target: dict[str, Any] | None = None  # ipc: where the sender writes (`ipc.Target`)
+    # ipc: where the sender writes (`ipc.Target`); crosses as `messages.target_to_pb`
+    target: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "block_ids": list(self.block_ids)}
@@ -142,6 +155,7 @@ class TransferAgent:
         on_failed: Callable[[str, str], None] | None = None,
         reap_interval_s: float = 0.05,
         keep_s: float = 300.0,
+        secret: bytes | None = None,
     ) -> None:
         KVLayout.of(kv_caches, layout.model_id).check(layout)
         self.layout = layout
@@ -152,6 +166,7 @@ class TransferAgent:
         self._num_blocks = self._caches[0].shape[1]
         self._free_blocks, self._on_ready, self._on_failed = free_blocks, on_ready, on_failed
         self._reap_interval_s, self._keep_s = reap_interval_s, keep_s
+        self._secret = secret
         self._sinks: dict[str, _Sink] = {}
         self._owned: set[int] = set()  # block ids of live and ready sinks
         self._buffers = StagingPool()
@@ -169,6 +184,7 @@ class TransferAgent:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._receiver = connector.receiver(host, self._alloc, self._on_frame, self._on_error)
+        self._receiver.keep_open_while(self._busy)
         self._reaper = threading.Thread(target=self._reap_loop, name="kv-reaper", daemon=True)
         self._reaper.start()
 
@@ -259,23 +275,44 @@ class TransferAgent:
     # -- the connector's side (connection threads) -------------------------------------
 
     def _alloc(self, header: dict[str, Any]) -> torch.Tensor:
+        """Where a payload lands. Invariant: nothing is allocated but what a sink that
+        this connection began expects, exactly: a layer frame of its dtype and frame
+        shape (so at most the sink's own KV). A live sink's lands in a staging buffer; a
+        sink that failed meanwhile (its sender may still stream what it queued before it
+        read our abort) takes its bytes in scratch of that same size, so the stream stays
+        in step. Anything else ends the connection (TransferError), failing its sinks."""
         dtype, shape = payload_spec(header)
-        sink = self._get(header.get("request_id", ""))
-        if sink is not None and sink.state is State.RECEIVING and header.get("kind") == LAYER:
-            if shape == self._frame_shape(sink, header) and dtype == self.layout.torch_dtype:
-                return self._buffers.take(shape, dtype, self._device)
-        # Bytes nobody will use (an aborted transfer still streaming, a wrong shape that
-        # _on_layer rejects): read them into scratch to keep the stream in step.
+        sink = self._get(header.get("request_id"))
+        with self._lock:
+            state, peer = (None, None) if sink is None else (sink.state, sink.peer)
+        # (nccl shows no `PEER` yet: there its connection is checked by `_on_layer` alone)
+        ours = peer is not None and header.get(PEER, peer) == peer
+        if (sink is None or not ours or header.get("kind") != LAYER
+                or state not in (State.RECEIVING, State.FAILED)
+                or (dtype, shape) != (self.layout.torch_dtype, self._frame_shape(sink, header))):
+            raise TransferError(f"refused a {shape} {dtype} payload for "
+                                f"{header.get('request_id')!r}: {_describe(sink)}, "
+                                f"not a layer this connection sends into")
+        if state is State.RECEIVING:
+            return self._buffers.take(shape, dtype, self._device)
         return torch.empty(shape, dtype=dtype)
 
     def _layer_shape(self, sink: _Sink) -> tuple[int, ...]:
         return self.layout.staging_shape(len(sink.block_ids))
 
-    def _frame_shape(self, sink: _Sink, header: dict[str, Any]) -> tuple[int, ...]:
-        """One layer's staging shape, or [k, *that] for a frame of k layers (`layers`)."""
+    def _frame_shape(self, sink: _Sink, header: dict[str, Any]) -> tuple[int, ...] | None:
+        """One layer's staging shape, or [k, *that] for a frame of k layers (`layers`);
+        None for a count no transfer sends."""
         count = header.get("layers", 1)
+        if type(count) is not int or not 1 <= count <= self.layout.num_layers:
+            return None
         shape = self._layer_shape(sink)
         return shape if count == 1 else (count, *shape)
+
+    def _busy(self, peer: str) -> bool:
+        """A transfer is in flight on connection `peer`: it must not be closed as idle."""
+        with self._lock:
+            return any(s.peer == peer and s.state in _LIVE for s in self._sinks.values())
 
     def _on_frame(self, frame: Frame) -> None:
         kind = frame.header.get("kind")
@@ -284,20 +321,27 @@ class TransferAgent:
         if handler is None:
             log.warning("ignoring frame of kind %r from %s", kind, frame.peer)
             return
+        if not isinstance(frame.header.get("request_id"), str):
+            raise TransferError(f"a {kind} frame without a request id")
         handler(frame.header, frame.payload, frame.peer or "")
 
     def _on_begin(self, header: dict[str, Any], _: torch.Tensor | None, peer: str) -> None:
         rid = header["request_id"]
+        if not verify(self._secret, rid, header.get("auth")):
+            # Leave the sink be: its real sender may still begin.
+            why = "begin without a valid proof of the cluster secret"
+            self._reply(peer, _abort(rid, why, UNAUTHENTICATED))
+            return
         sink = self._get(rid)
         if sink is None or sink.state is not State.RESERVED:
             self._reply(peer, _abort(rid, f"no open reservation for {rid!r}: {_describe(sink)}"))
             return
         try:
-            sender_layout = KVLayout.from_dict(header["layout"])
+            sender_layout = KVLayout.from_dict(header.get("layout", {}))
             self.layout.check(sender_layout, "on the receiver", "on the sender")
-            if header["num_blocks"] != len(sink.block_ids):
+            if header.get("num_blocks") != len(sink.block_ids):
                 raise TransferError(
-                    f"sender has {header['num_blocks']} blocks, sink {len(sink.block_ids)}"
+                    f"sender has {header.get('num_blocks')} blocks, sink {len(sink.block_ids)}"
                 )
             written = None if "writer" not in header else self._writer(header["writer"])
         except TransferError as exc:
@@ -408,9 +452,16 @@ class TransferAgent:
             self._reply(peer, _abort(rid, f"transfer for {rid!r} is {_describe(sink)}"))
 
     def _on_abort(self, header: dict[str, Any], _: torch.Tensor | None, peer: str) -> None:
-        sink = self._get(header["request_id"])
-        # Before begin any peer may abort (a sender whose own layout check failed).
-        if sink is not None and sink.peer in (None, peer):
+        rid = header["request_id"]
+        sink = self._get(rid)
+        if sink is None:
+            return
+        with self._lock:
+            accepted = sink.peer
+        # Before begin any peer with the secret may abort (a sender whose own layout check
+        # failed); after it, only the connection that began.
+        if accepted == peer or (accepted is None and verify(self._secret, rid,
+                                                            header.get("auth"))):
             self._fail(sink, f"aborted by sender: {header.get('reason', '')}")
 
     def _on_error(self, peer: str, exc: Exception) -> None:
@@ -474,14 +525,15 @@ class TransferAgent:
         while not self._stop.wait(self._reap_interval_s):
             now = time.monotonic()
             with self._lock:
-                live = [s for s in self._sinks.values() if s.state in _LIVE]
-                expired = [s for s in live if s.deadline <= now]
+                held = [s for s in self._sinks.values() if s.state in (*_LIVE, State.READY)]
+                expired = [s for s in held if s.deadline <= now]
                 # ended_at is set only on FAILED and RELEASED: tombstones kept for status().
                 for rid in [rid for rid, s in self._sinks.items()
                             if s.ended_at is not None and now - s.ended_at > self._keep_s]:
                     del self._sinks[rid]
             for sink in expired:
-                self._fail(sink, f"reservation expired after {sink.ttl_s:g}s", notify=True)
+                self._fail(sink, f"reservation expired after {sink.ttl_s:g}s",
+                           (*_LIVE, State.READY), notify=True)
 
 
 def _abort(request_id: str, reason: str, error: str | None = None) -> Frame:

@@ -2,19 +2,25 @@
 
 A connector moves *frames*: a small typed header plus at most one contiguous tensor
 payload. Control (reserve, ack, abort) is small and rides in headers; KV bytes ride in
-payloads, one large payload per layer per transfer, never one per block.
+payloads, one large payload per layer per transfer, never one per block. A header is one
+of the transfer protocol's messages (`messages.py`: a dict whose `kind` names it), and
+travels as that message's protobuf envelope, which only `messages` encodes and decodes.
 
 Invariants every implementation keeps:
 - frames from one Sender arrive at the Receiver in the order they were sent;
 - `Sender.send` returns only once the payload's memory may be reused by the caller;
   `Sender.send_async` may return before, with a `SendHandle` that says when (frames from
   both go out in call order);
+- the Receiver checks a header's `dtype` and `shape` against the payload's byte count
+  (`check_payload`) before anything is allocated, and ends the connection on a mismatch;
 - the Receiver writes an incoming payload into the tensor that `alloc(header)` returns
   (so bytes land directly in a staging buffer on the right device), then calls
-  `on_frame` with that tensor; a CUDA payload may still be landing when `on_frame` runs:
-  it is valid for work enqueued on the calling thread's current stream of its device
-  (the connector made that stream wait for it), and for the host after a sync of that
-  stream; a later header-only frame from the same peer is delivered only once every
+  `on_frame` with that tensor; the header `alloc` sees names the connection as `peer`
+  (`stamp_peer`: the Receiver's id, whatever the sender wrote there), and an `alloc` that
+  raises TransferError ends the connection; a CUDA payload may still be landing when
+  `on_frame` runs: it is valid for work enqueued on the calling thread's current stream
+  of its device (the connector made that stream wait for it), and for the host after a
+  sync of that stream; a later header-only frame from the same peer is delivered only once every
   payload before it has landed;
 - a peer that dies or stalls surfaces as `TransferError` on the sender and as
   `on_error(peer, exc)` on the receiver, never as a hang: every blocking call has a timeout;
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import math
 import sys
 import threading
 import time
@@ -55,7 +62,7 @@ class TransferError(RuntimeError):
 
 @dataclass(frozen=True)
 class Frame:
-    header: dict[str, Any]  # JSON-able: kind, request_id, layer, payload shape/dtype, ...
+    header: dict[str, Any]  # a transfer message (`messages`): kind, request_id, layer, ...
     payload: torch.Tensor | None = None
     # Set by the Receiver on delivery: the connection the frame came in on.
     peer: str | None = None
@@ -83,9 +90,39 @@ def payload_header(frame: Frame) -> dict[str, Any]:
     }
 
 
+# More dimensions than any payload we send ([k, 2, n, bs, H, D]) means a foreign header.
+MAX_DIMS = 8
+# The key under which a Receiver shows `alloc` the connection a payload came in on.
+PEER = "peer"
+
+
 def payload_spec(header: dict[str, Any]) -> tuple[torch.dtype, tuple[int, ...]]:
-    """The (dtype, shape) a header announces for its payload."""
-    return dtype_from_name(header["dtype"]), tuple(int(n) for n in header["shape"])
+    """The (dtype, shape) a header announces for its payload; TransferError unless a known
+    dtype and a short list of non-negative ints (it comes from the peer, unchecked)."""
+    shape = header.get("shape")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(
+        type(n) is int and n >= 0 for n in shape
+    ):
+        raise TransferError(f"bad payload shape {shape!r}")
+    return dtype_from_name(header.get("dtype")), tuple(shape)
+
+
+def check_payload(header: dict[str, Any], payload_len: int) -> bool:
+    """Whether a payload follows `header` (`payload_len` bytes of it); raises TransferError
+    unless the header's dtype and shape account for exactly those bytes. Runs before
+    anything is allocated for the payload. (A header-only frame may still announce a
+    payload that travels elsewhere: nccl's control frames.)"""
+    if not payload_len:
+        return False
+    dtype, shape = payload_spec(header)
+    if math.prod(shape) * dtype.itemsize != payload_len:
+        raise TransferError(f"{shape} {dtype} payload announced as {payload_len} bytes")
+    return True
+
+
+def stamp_peer(alloc: Allocator, peer: str) -> Allocator:
+    """`alloc`, shown the connection `peer` a payload came in on (see `PEER`)."""
+    return lambda header: alloc({**header, PEER: peer})
 
 
 def poll_until(done: Callable[[], bool], deadline: float) -> bool:
@@ -126,14 +163,15 @@ _PR_SET_TIMERSLACK = 29
 class IdleConnections(Generic[C]):
     """Senders' connections kept per address after a transfer ended cleanly, for the next
     sender to the same address: at most `max_idle` per address (the rest are closed), and
-    one found no longer `usable` (its receiver went away, or left bytes on it) is closed
-    rather than handed out. Thread-safe."""
+    one found no longer `usable` (its receiver went away, or left bytes on it), or parked
+    longer than `max_age_s` (its receiver may be closing it for idleness just now), is
+    closed rather than handed out. Thread-safe."""
 
     def __init__(self, max_idle: int, usable: Callable[[C], bool],
-                 close: Callable[[C], None]) -> None:
-        self.max_idle = max_idle
+                 close: Callable[[C], None], max_age_s: float = math.inf) -> None:
+        self.max_idle, self.max_age_s = max_idle, max_age_s
         self._usable, self._close = usable, close
-        self._idle: dict[str, list[C]] = {}
+        self._idle: dict[str, list[tuple[C, float]]] = {}  # (conn, parked at), newest last
         self._lock = threading.Lock()
 
     def take(self, address: str) -> C | None:
@@ -142,8 +180,8 @@ class IdleConnections(Generic[C]):
                 idle = self._idle.get(address)
                 if not idle:
                     return None
-                conn = idle.pop()
-            if self._usable(conn):
+                conn, parked_at = idle.pop()
+            if time.monotonic() - parked_at < self.max_age_s and self._usable(conn):
                 return conn
             self._close(conn)
 
@@ -151,13 +189,14 @@ class IdleConnections(Generic[C]):
         with self._lock:
             idle = self._idle.setdefault(address, [])
             if len(idle) < self.max_idle:
-                idle.append(conn)
+                idle.append((conn, time.monotonic()))
                 return
         self._close(conn)
 
     def close(self) -> None:
         with self._lock:
-            idle, self._idle = [c for conns in self._idle.values() for c in conns], {}
+            idle = [c for conns in self._idle.values() for c, _ in conns]
+            self._idle = {}
         for conn in idle:
             self._close(conn)
 
@@ -179,6 +218,11 @@ class Receiver(ABC):
         """Send a small control frame (header only) back to `peer`'s Sender; thread-safe.
         Raises TransferError if the peer is gone."""
         raise TransferError(f"{type(self).__name__} has no back channel")
+
+    def keep_open_while(self, busy: Callable[[str], bool]) -> None:
+        """A Receiver that closes idle connections keeps one open while `busy(peer)` (a
+        transfer in flight on it). Default: this Receiver closes none for idleness."""
+        return None
 
     @abstractmethod
     def close(self) -> None: ...

@@ -131,7 +131,7 @@ _own: dict[str, int] = {}  # handle -> the allocation's base address
 
 
 def export(rows: torch.Tensor) -> dict[str, Any]:
-    """A JSON-able description of `rows` (a view of a KV cache) that another process on
+    """A plain description of `rows` (a view of a KV cache) that another process on
     this host maps with `SharedCaches.open`. On CPU the whole storage moves into shared
     memory first, in place (the views on it stay valid): do it before other threads
     use the cache."""

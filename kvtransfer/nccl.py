@@ -63,7 +63,9 @@ from tandem.kvtransfer.connector import (
     Receiver,
     TransferError,
     payload_spec,
+    stamp_peer,
 )
+from tandem.kvtransfer.messages import ABORT, NCCL_HELLO, NCCL_WELCOME
 from tandem.kvtransfer.nccl_group import RECEIVER_RANK, SENDER_RANK, PairGroup
 from tandem.kvtransfer.nccl_sender import NcclLink, NcclSender
 from tandem.kvtransfer.tcp import TcpConnector, TcpReceiver, TcpSender
@@ -71,7 +73,7 @@ from tandem.kvtransfer.tcp import TcpConnector, TcpReceiver, TcpSender
 log = logging.getLogger(__name__)
 
 _SCHEME = "nccl://"
-HELLO, WELCOME = "nccl_hello", "nccl_welcome"  # control kinds private to this connector
+HELLO, WELCOME = NCCL_HELLO, NCCL_WELCOME  # control kinds private to this connector
 BACKENDS = ("nccl", "gloo")
 
 
@@ -198,9 +200,14 @@ class NcclReceiver(Receiver):
         self._conn = conn
         self._alloc, self._on_frame, self._on_error = alloc, on_frame, on_error
         self._host = host
+        # A TCPStore given no socket listens on every interface: bind its socket to
+        # `host` ourselves, so the store is reachable only where this receiver is.
+        # The store owns the socket from here (it closes it): detached, so Python won't.
+        listening = socket.create_server((host, 0), backlog=128)
+        port = listening.getsockname()[1]
         self._store = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False,
-            timeout=timedelta(seconds=conn.setup_timeout),
+            host, port, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=conn.setup_timeout), master_listen_fd=listening.detach(),
         )
         self._groups: dict[str, PairGroup] = {}
         # Per connection: a receive posted for an announced payload (header, tensor, work);
@@ -261,7 +268,7 @@ class NcclReceiver(Receiver):
         The current stream is made to wait for it."""
         ahead = self._ahead.pop(peer, None)
         if ahead is None:
-            out = self._alloc_checked(header)
+            out = self._alloc_checked(peer, header)
             group.start_recv(out, self._conn.io_timeout)
             return out
         announced, out, work = ahead
@@ -278,14 +285,14 @@ class NcclReceiver(Receiver):
         if group.backend != "nccl":
             return
         with group.receiving():
-            out = self._alloc_checked(header)
+            out = self._alloc_checked(peer, header)
             if out.device != self._conn.device:
                 return  # bytes the allocator would drop: they take the slow path on arrival
             self._ahead[peer] = (header, out, group.post_recv(out))
 
-    def _alloc_checked(self, header: dict[str, Any]) -> torch.Tensor:
+    def _alloc_checked(self, peer: str, header: dict[str, Any]) -> torch.Tensor:
         dtype, shape = payload_spec(header)
-        out = self._alloc(header)
+        out = stamp_peer(self._alloc, peer)(header)  # the agent allocates for its own peer
         if out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
             raise TransferError(
                 f"allocator gave {tuple(out.shape)} {out.dtype} for a {shape} {dtype} payload"
@@ -296,7 +303,8 @@ class NcclReceiver(Receiver):
         backend = header.get("backend")
         if backend != self._conn.backend:
             why = f"backend {backend!r} here is {self._conn.backend!r}"
-            self.reply(peer, Frame({"kind": "abort", "reason": why}))
+            # No transfer is open yet: the refusal names the handshake as its request.
+            self.reply(peer, Frame({"kind": ABORT, "request_id": HELLO, "reason": why}))
             raise TransferError(why)
         pair = f"tandem-kv/{peer}/"
         self.reply(peer, Frame({"kind": WELCOME, "store_port": self._store.port, "pair": pair}))

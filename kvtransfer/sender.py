@@ -30,6 +30,11 @@ in one kernel, as soon as it is handed over, and a refusal is heard by `finish`.
 `kv_caches` is the per-layer caches, or a `KVRows` over them built once and passed to
 every push (it reads the caches' layout once, not per push).
 
+With the cluster `secret`, `begin` and `abort` carry `auth`: `auth.proof(secret,
+request_id)`, which the receiver checks; the secret itself never goes on the wire.
+
+One push is driven by one thread at a time (the prefill role gives each its own).
+
 Every failure raises TransferError (LayoutMismatch for a layout mismatch) within a
 bounded time; leaving the `with` block on an exception aborts the transfer, so the
 receiver frees the sink at once rather than at its TTL.
@@ -45,19 +50,12 @@ from typing import Any
 
 import torch
 
-from tandem.kvtransfer.agent import (
-    ABORT,
-    ACCEPT,
-    BEGIN,
-    DONE,
-    END,
-    LAYER,
-    LAYOUT_MISMATCH,
-    SinkInfo,
-)
+from tandem.kvtransfer import auth
+from tandem.kvtransfer.agent import LAYOUT_MISMATCH, SinkInfo
 from tandem.kvtransfer.connector import Connector, Frame, Sender, SendHandle, TransferError
 from tandem.kvtransfer.ipc import Target
 from tandem.kvtransfer.layout import KVLayout, LayoutMismatch
+from tandem.kvtransfer.messages import ABORT, ACCEPT, BEGIN, DONE, END, LAYER
 from tandem.kvtransfer.staging import KVRows, device_ids
 
 
@@ -76,6 +74,7 @@ class KVPush:
         ring: int = 2,
         message_bytes: int = 64 << 20,
         all_computed: bool = False,
+        secret: bytes | None = None,
     ) -> None:
         if ring < 1 or message_bytes < 1:
             raise ValueError(f"ring and message_bytes must be positive: {ring}, {message_bytes}")
@@ -87,6 +86,8 @@ class KVPush:
         self._rows.check(layout)
         self.sink, self.layout = sink, layout
         self._connector = connector
+        # begin and abort carry it; None: the receiver asks for none
+        self._auth = auth.proof(secret, sink.request_id)
         device = self._rows.caches[0].device
         self._direct = getattr(connector, "direct", False)
         # One copy to the device, not waiting for the compute queued on the stream. Direct:
@@ -143,8 +144,8 @@ class KVPush:
         except TransferError:
             self._closed = True  # unreachable: an abort could not get through either
             raise
-        begin = {"kind": BEGIN, "layout": self.layout.to_dict(),
-                 "num_blocks": len(self.sink.block_ids)}
+        begin = self._signed({"kind": BEGIN, "layout": self.layout.to_dict(),
+                              "num_blocks": len(self.sink.block_ids)})
         if self._direct:
             begin["writer"] = {"pid": os.getpid(),
                                "event": self._written.handle if self._written else None}
@@ -220,7 +221,7 @@ class KVPush:
             self._tell_receiver_we_gave_up(reason)
         else:
             try:
-                self._send({"kind": ABORT, "reason": reason})
+                self._send(self._signed({"kind": ABORT, "reason": reason}))
             except TransferError:
                 pass
         self.close()
@@ -271,6 +272,10 @@ class KVPush:
         except TransferError:
             self.close()
             raise
+
+    def _signed(self, header: dict[str, Any]) -> dict[str, Any]:
+        """`header` with the proof of the cluster secret, if this push has one."""
+        return header if self._auth is None else {**header, "auth": self._auth}
 
     def _open_target(self) -> Target:
         if self.sink.target is None:
@@ -408,7 +413,7 @@ class KVPush:
             return
         try:
             header = {"kind": ABORT, "request_id": self.sink.request_id, "reason": reason}
-            sender.send(Frame(header), self._send_timeout)
+            sender.send(Frame(self._signed(header)), self._send_timeout)
         except TransferError:
             pass
         finally:
@@ -424,7 +429,7 @@ def push(
     **options: Any,
 ) -> None:
     """Send a whole, computed request's KV into `sink`; returns once the sink is ready.
-    `options`: KVPush's keyword arguments (timeouts, ring, message_bytes)."""
+    `options`: KVPush's keyword arguments (timeouts, ring, message_bytes, secret)."""
     with KVPush(connector, sink, kv_caches, src_block_ids, layout, all_computed=True,
                 **options) as p:
         p.start()

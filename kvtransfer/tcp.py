@@ -5,6 +5,12 @@ mid-frame is an error after `io_timeout`; an idle connection between frames may 
 (a sender computing its next layer), and keepalive probes find a peer host that vanished
 without closing. A killed peer process closes its sockets, which the receiver sees at
 once as EOF or a reset.
+
+The receiver bounds what peers can hold: at most `max_connections` connections at once
+(one beyond is closed as it is accepted), and a connection that sent nothing for
+`idle_timeout_s` while no transfer is in flight on it (`Receiver.keep_open_while`) is
+closed, its thread ending with it. Senders drop a parked connection after half that, so
+they don't reuse one the receiver is closing just then (`_quiet` catches one it closed).
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ import logging
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NoReturn
 
 from tandem.kvtransfer.connector import (
@@ -28,6 +36,7 @@ from tandem.kvtransfer.connector import (
     Receiver,
     Sender,
     TransferError,
+    stamp_peer,
 )
 from tandem.kvtransfer.wire import HostStaging, recv_frame, send_frame
 
@@ -56,11 +65,19 @@ def _tune(sock: socket.socket, io_timeout: float) -> None:
 class TcpConnector(Connector):
     name = "tcp"
 
-    def __init__(self, io_timeout: float = 30.0, max_idle: int = 2) -> None:
+    def __init__(
+        self,
+        io_timeout: float = 30.0,
+        max_idle: int = 2,
+        max_connections: int = 64,
+        idle_timeout_s: float = 120.0,
+    ) -> None:
         self.io_timeout = io_timeout
+        self.max_connections, self.idle_timeout_s = max_connections, idle_timeout_s
         # Connections kept per address after a transfer ended cleanly (`Sender.release`),
         # so the next one skips connecting (and the receiver starting a thread for it).
-        self._idle = IdleConnections(max_idle, _quiet, socket.socket.close)
+        self._idle = IdleConnections(max_idle, _quiet, socket.socket.close,
+                                     max_age_s=idle_timeout_s / 2)
 
     def receiver(
         self,
@@ -69,7 +86,8 @@ class TcpConnector(Connector):
         on_frame: FrameHandler,
         on_error: ErrorHandler,
     ) -> TcpReceiver:
-        return TcpReceiver(host, alloc, on_frame, on_error, self.io_timeout)
+        return TcpReceiver(host, alloc, on_frame, on_error, self.io_timeout,
+                           self.max_connections, self.idle_timeout_s)
 
     def sender(self, address: str, connect_timeout: float = 5.0) -> TcpSender:
         host, port = parse_address(address)
@@ -110,9 +128,14 @@ class TcpReceiver(Receiver):
         on_frame: FrameHandler,
         on_error: ErrorHandler,
         io_timeout: float,
+        max_connections: int = 64,
+        idle_timeout_s: float = 120.0,
     ) -> None:
         self._alloc, self._on_frame, self._on_error = alloc, on_frame, on_error
-        self._io_timeout = io_timeout
+        # A connection's reads wake up at least this often, to notice it went idle.
+        self._io_timeout = min(io_timeout, idle_timeout_s)
+        self._max_connections, self._idle_timeout_s = max_connections, idle_timeout_s
+        self._busy: Callable[[str], bool] = lambda peer: False
         self._listener = socket.create_server((host, 0), backlog=128)
         # accept() wakes up this often to notice close(); shutdown() usually wakes it first.
         self._listener.settimeout(0.5)
@@ -127,6 +150,15 @@ class TcpReceiver(Receiver):
     @property
     def address(self) -> str:
         return self._address
+
+    @property
+    def connections(self) -> int:
+        """Connections open now, each with its thread."""
+        with self._lock:
+            return len(self._conns)
+
+    def keep_open_while(self, busy: Callable[[str], bool]) -> None:
+        self._busy = busy
 
     def reply(self, peer: str, frame: Frame) -> None:
         with self._lock:
@@ -161,23 +193,32 @@ class TcpReceiver(Receiver):
                 continue
             except OSError:
                 return  # listener shut down by close()
-            _tune(sock, self._io_timeout)
             peer = f"{ip}:{port}/{next(self._ids)}"
             with self._lock:
                 if self._closed:
                     sock.close()
                     return
-                self._conns[peer] = _Conn(sock)
+                full = len(self._conns) >= self._max_connections
+                if not full:
+                    self._conns[peer] = _Conn(sock)
+            if full:  # every connection is a thread: a flood must not make thousands
+                log.warning("refused connection %s: %d connections open already",
+                            peer, self._max_connections)
+                sock.close()
+                continue
+            _tune(sock, self._io_timeout)
             threading.Thread(
                 target=self._serve, args=(peer, sock), name=f"tcp-recv-{peer}", daemon=True
             ).start()
 
     def _serve(self, peer: str, sock: socket.socket) -> None:
         staging = HostStaging()
+        alloc = stamp_peer(self._alloc, peer)
         error: Exception
         try:
             while True:
-                frame = recv_frame(sock, self._alloc, staging, lambda: not self._closed)
+                waiting = partial(self._may_wait, peer, time.monotonic())
+                frame = recv_frame(sock, alloc, staging, waiting)
                 if frame is None:
                     error = TransferError("peer closed the connection")
                     break
@@ -195,6 +236,15 @@ class TcpReceiver(Receiver):
         sock.close()
         if not closed:
             self._on_error(peer, error)
+
+    def _may_wait(self, peer: str, since: float) -> bool:
+        """Whether connection `peer`, quiet since `since`, may wait on for its next frame."""
+        if self._closed:
+            return False
+        if time.monotonic() - since < self._idle_timeout_s or self._busy(peer):
+            return True
+        log.info("closing connection %s: idle for %gs", peer, self._idle_timeout_s)
+        return False
 
 
 class TcpSender(Sender):

@@ -4,10 +4,12 @@ memory, TCP, RDMA, and CUDA IPC/copy where UCX has them).
 A frame is one control message and, if it has a payload, one payload message, both on
 the connection's endpoint, whose tag messages match in the order they were sent:
 
-    control  wire.PREFIX (magic, version, header length, payload length) + JSON header
+    control  wire.PREFIX (magic, version, header length, payload length) + the header
+             as a serialized transfer message (`messages.encode`)
     payload  the tensor's raw bytes (uint8 view, so bf16 is exact), received directly
              into the tensor `alloc(header)` returned: host memory, or device memory
-             where UCX has CUDA transports (else staged through a host copy)
+             where UCX has CUDA transports (else staged through a host copy); the
+             header's dtype and shape are checked against the payload length first
 
 Replies (the back channel) are control messages on the same endpoint the other way.
 
@@ -29,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
-import json
 import logging
 import queue
 import threading
@@ -48,15 +49,18 @@ from tandem.kvtransfer.connector import (
     Receiver,
     Sender,
     TransferError,
+    check_payload,
     payload_header,
     payload_spec,
+    stamp_peer,
 )
+from tandem.kvtransfer.messages import decode, encode
 from tandem.kvtransfer.wire import MAGIC, PREFIX, VERSION, HostStaging
 
 log = logging.getLogger(__name__)
 
 _SCHEME = "ucx://"
-# One control message holds the prefix and the JSON header; headers are small control
+# One control message holds the prefix and the header; headers are small control
 # data (request id, layer, layout), so a fixed receive buffer of this size fits them all.
 CONTROL_BYTES = 64 * 1024
 # How often a connection thread idle between frames wakes up to notice close().
@@ -131,7 +135,7 @@ def _ucx_loop() -> _UcxLoop:
 
 
 def _control_message(frame: Frame, payload_len: int) -> np.ndarray:
-    header = json.dumps(payload_header(frame)).encode()
+    header = encode(payload_header(frame))
     msg = PREFIX.pack(MAGIC, VERSION, len(header), payload_len) + header
     if len(msg) > CONTROL_BYTES:
         raise TransferError(f"frame header of {len(header)} bytes is too large")
@@ -144,11 +148,7 @@ def _parse_control(buf: np.ndarray) -> tuple[dict[str, Any], int]:
         raise TransferError(f"not a Tandem KV frame (magic {magic!r}, version {version})")
     if PREFIX.size + header_len > buf.nbytes:
         raise TransferError(f"frame header of {header_len} bytes is too large")
-    try:
-        header = json.loads(buf[PREFIX.size:PREFIX.size + header_len].tobytes())
-    except ValueError as exc:
-        raise TransferError(f"frame header is not JSON: {exc}") from None
-    return header, payload_len
+    return decode(buf[PREFIX.size:PREFIX.size + header_len].tobytes()), payload_len
 
 
 def _buffer(
@@ -267,10 +267,11 @@ class UcxReceiver(Receiver):
     def _serve(self, peer: str, conn: _Conn) -> None:
         control = np.empty(CONTROL_BYTES, dtype=np.uint8)
         staging = HostStaging()
+        alloc = stamp_peer(self._alloc, peer)
         error: Exception
         try:
             while True:
-                frame = self._recv_frame(conn.ep, control, staging)
+                frame = self._recv_frame(conn.ep, control, alloc, staging)
                 self._on_frame(Frame(frame.header, frame.payload, peer))
         except TransferError as exc:
             error = exc
@@ -284,7 +285,9 @@ class UcxReceiver(Receiver):
             self._ucx.submit(_abort(conn.ep))
             self._on_error(peer, error)
 
-    def _recv_frame(self, ep: Any, control: np.ndarray, staging: HostStaging) -> Frame:
+    def _recv_frame(
+        self, ep: Any, control: np.ndarray, alloc: Allocator, staging: HostStaging
+    ) -> Frame:
         # Idle between frames: wait as long as it takes, waking to notice close().
         pending = self._ucx.submit(ep.recv(control))
         while True:
@@ -297,16 +300,14 @@ class UcxReceiver(Receiver):
             except Exception as exc:  # cancelled or reset: the peer closed or died
                 raise TransferError(f"connection lost: {type(exc).__name__}: {exc}") from exc
         header, payload_len = _parse_control(control)
-        if "shape" not in header:
+        if not check_payload(header, payload_len):  # before anything is allocated
             return Frame(header)
         dtype, shape = payload_spec(header)
-        out = self._alloc(header)
+        out = alloc(header)
         if out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
             raise TransferError(
                 f"allocator gave {tuple(out.shape)} {out.dtype} for a {shape} {dtype} payload"
             )
-        if out.numel() * out.element_size() != payload_len:
-            raise TransferError(f"{shape} {dtype} payload announced as {payload_len} bytes")
         if payload_len:
             buf, host = _buffer(out, self._ucx.cuda, staging)
             self._ucx.run(ep.recv(buf), self._io_timeout, "receiving a payload")

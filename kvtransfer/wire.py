@@ -3,8 +3,15 @@
 A frame on the wire:
 
     prefix  !4sHIQ  magic b"TDKV", version, header length, payload length (bytes)
-    header  UTF-8 JSON: the frame's header, with the payload's `dtype` and `shape`
+    header  the frame's header as a serialized `Envelope` (protos/transfer.proto,
+            `messages.encode`), with the payload's `dtype` and `shape`
     payload raw bytes of the contiguous tensor (C order), absent when length is 0
+
+Nothing is allocated for a payload before its header was checked: a well-formed transfer
+message (`messages.decode`) whose `dtype` and `shape` (a known dtype, a short list of
+non-negative ints) account for exactly the payload length in the prefix
+(`check_payload`). A frame that fails this is a TransferError, and the stream is out of
+step from there: the connection ends.
 
 Payload bytes go straight between the socket and the tensor's memory: `sendall` of a
 memoryview over the tensor, `recv_into` a memoryview over the tensor the allocator
@@ -14,7 +21,6 @@ CPU buffer (`HostStaging`), one device copy per frame.
 
 from __future__ import annotations
 
-import json
 import socket
 import struct
 from collections.abc import Callable
@@ -25,12 +31,14 @@ from tandem.kvtransfer.connector import (
     Allocator,
     Frame,
     TransferError,
+    check_payload,
     payload_header,
     payload_spec,
 )
+from tandem.kvtransfer.messages import decode, encode
 
 MAGIC = b"TDKV"
-VERSION = 1
+VERSION = 2  # 1: JSON headers
 PREFIX = struct.Struct("!4sHIQ")
 # Headers are small control data; a bigger one means a corrupt or foreign stream.
 MAX_HEADER_BYTES = 1 << 20
@@ -66,7 +74,7 @@ def send_frame(sock: socket.socket, frame: Frame, staging: HostStaging) -> None:
     payload = frame.payload
     if payload is not None and not payload.is_contiguous():
         payload = payload.contiguous()
-    header = json.dumps(payload_header(frame)).encode()
+    header = encode(payload_header(frame))
     nbytes = 0 if payload is None else payload.numel() * payload.element_size()
     sock.sendall(PREFIX.pack(MAGIC, VERSION, len(header), nbytes) + header)
     if not nbytes:
@@ -120,8 +128,8 @@ def recv_frame(
             raise TransferError(f"frame header of {header_len} bytes is too large")
         raw = bytearray(header_len)
         recv_exactly_into(sock, memoryview(raw))
-        header = json.loads(raw)
-        if not payload_len:
+        header = decode(raw)
+        if not check_payload(header, payload_len):
             return Frame(header)
         payload = _recv_payload(sock, header, payload_len, alloc, staging)
     except TimeoutError:
@@ -136,14 +144,13 @@ def _recv_payload(
     alloc: Allocator,
     staging: HostStaging,
 ) -> torch.Tensor:
+    """The payload `check_payload` vouched for, in the tensor `alloc` gave for it."""
     dtype, shape = payload_spec(header)
     out = alloc(header)
     if out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
         raise TransferError(
             f"allocator gave {tuple(out.shape)} {out.dtype} for a {shape} {dtype} payload"
         )
-    if out.numel() * out.element_size() != payload_len:
-        raise TransferError(f"{shape} {dtype} payload announced as {payload_len} bytes")
     if out.device.type == "cpu":
         recv_exactly_into(sock, byte_view(out))
     else:

@@ -4,11 +4,11 @@ becomes (SamplingParams, KVLayout), so a bad one is a ValueError naming it."""
 
 from __future__ import annotations
 
-import json
-
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kvtransfer.agent import SinkInfo
+from tandem.kvtransfer.connector import TransferError
 from tandem.kvtransfer.layout import KVLayout
+from tandem.kvtransfer.messages import target_from_pb, target_to_pb
 from tandem.protos import node_pb2 as pb
 
 # Optional scalar fields: unset means the engine's default.
@@ -52,7 +52,7 @@ def sink_to_pb(sink: SinkInfo, first_block: int, connector: str) -> pb.Sink:
         request_id=sink.request_id, address=sink.address, block_ids=list(sink.block_ids),
         first_block=first_block, layout=layout_to_pb(KVLayout.from_dict(sink.layout)),
         expires_at=sink.expires_at, connector=connector,
-        target_json=json.dumps(sink.target) if sink.target is not None else "",
+        target=target_to_pb(sink.target) if sink.target is not None else None,
     )
 
 
@@ -61,8 +61,8 @@ def sink_from_pb(msg: pb.Sink) -> tuple[SinkInfo, int]:
     if not msg.block_ids:
         raise ValueError("the sink has no blocks")
     try:
-        target = json.loads(msg.target_json) if msg.target_json else None
-    except json.JSONDecodeError as exc:
+        target = target_from_pb(msg.target) if msg.HasField("target") else None
+    except TransferError as exc:
         raise ValueError(f"bad sink target: {exc}") from exc
     sink = SinkInfo(msg.request_id, msg.address, tuple(msg.block_ids),
                     layout_from_pb(msg.layout).to_dict(), msg.expires_at, target)

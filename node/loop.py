@@ -10,7 +10,8 @@ steps while requests are unfinished and hands each request's outputs to its list
 
 A listener runs on the loop thread and must not block. If a step raises (a bug), every
 unfinished request is aborted and its listener gets the exception, so no caller waits
-forever; the loop goes on with new requests.
+forever; the loop goes on with new requests. `liveness()` says whether the loop is
+healthy (its last step did not fail, and it is not stuck), for the node's Health.
 
 `EngineLoop(engine, thread=False)` starts no thread: its owner calls `run()` on the
 process's main thread (a node does). On the CPU, steps there run ~1.4x faster than on
@@ -23,8 +24,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TypeVar
 
 from tandem.engine.llm_engine import LLMEngine
@@ -38,6 +41,14 @@ Listener = Callable[[RequestOutput | BaseException], None]
 _IDLE_WAIT_S = 0.05  # an idle loop wakes this often to look at `closed`
 
 
+@dataclass(frozen=True)
+class Liveness:
+    alive: bool
+    seconds_since_step: float  # since a step last ended, or the loop last found no work
+    failed_steps: int  # since start
+    error: str  # the last failed step's, while the loop is not alive
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, thread: bool = True) -> None:
         self.engine = engine
@@ -47,6 +58,11 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._stopped = threading.Event()  # run() has returned
+        # Written by the loop thread only; read by Health on any thread.
+        self._progress_at = time.monotonic()
+        self._failed_steps = 0
+        self._last_error: str | None = None  # cleared by a step that succeeds
+        self._failed_at = float("-inf")
         self._thread: threading.Thread | None = None
         if thread:
             self._thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
@@ -74,6 +90,27 @@ class EngineLoop:
         with self._lock:
             self._listeners.pop(request_id, None)
 
+    def abort(self, request_id: str, timeout: float | None = 60.0) -> bool:
+        """Stop `request_id` in the engine; its listener gets the finished ("abort")
+        output, as from a step. Whether the engine had it."""
+        def abort(engine: LLMEngine) -> bool:
+            out = engine.abort(request_id)
+            if out is not None:
+                self._deliver(request_id, out, True)
+            return out is not None
+        return self.call(abort, timeout)
+
+    def liveness(self, stall_s: float) -> Liveness:
+        """Alive unless the last step failed less than `stall_s` ago (after that the node
+        gets another chance), or work is queued and no step has ended for `stall_s` (a
+        step stuck on a bug, or a loop thread that died)."""
+        since = time.monotonic() - self._progress_at
+        stuck = since > stall_s and (self.engine.has_unfinished or not self._calls.empty())
+        failed = self._last_error if time.monotonic() - self._failed_at < stall_s else None
+        error = failed or (f"no step has ended for {since:.0f}s" if stuck else "")
+        return Liveness(not error and not self._stopped.is_set(), since, self._failed_steps,
+                        error)
+
     def close(self) -> None:
         """Stop the loop and wait (up to 30 s) until it has; from any thread but its own."""
         self._closed.set()
@@ -88,6 +125,8 @@ class EngineLoop:
                 self._run_calls(block=not self.engine.has_unfinished)
                 if self.engine.has_unfinished:
                     self._step()
+                else:
+                    self._progress_at = time.monotonic()
         finally:
             while not self._calls.empty():  # nobody will run these now
                 _, future = self._calls.get_nowait()
@@ -115,8 +154,12 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception as exc:  # a bug: fail what is running rather than hang it
             log.exception("engine step failed; aborting every unfinished request")
+            self._failed_steps += 1
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            self._progress_at = self._failed_at = time.monotonic()
             self._fail_all(exc)
             return
+        self._progress_at, self._last_error = time.monotonic(), None
         for out in outputs:
             self._deliver(out.request_id, out, out.finished)
 

@@ -11,6 +11,7 @@ import threading
 from tandem.engine.cli_generate import engine_config
 from tandem.engine.llm_engine import LLMEngine
 from tandem.kvtransfer.index import get_index
+from tandem.node.auth import CLUSTER_SECRET_ENV, read_secret
 from tandem.node.server import NodeService, run_until_stopped, serve
 
 GIL_SWITCH_INTERVAL_S = 0.0005
@@ -18,10 +19,16 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 def run_node(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    secret = read_secret(args.cluster_secret, args.cluster_secret_file, CLUSTER_SECRET_ENV)
+    if secret is None:
+        logging.getLogger("tandem.node").warning(
+            "no cluster secret: anyone who reaches this node's ports can drive it "
+            "(--cluster-secret or %s)", CLUSTER_SECRET_ENV)
     engine = LLMEngine(engine_config(args))
     index = get_index(args.index, engine.model_name) if args.index else None
     service = NodeService(engine, args.role, args.connector, args.transfer_host, index,
-                          engine_thread=False)
+                          engine_thread=False,
+                          secret=None if secret is None else secret.encode())
     server, port = serve(service, args.host, args.port)
     # The engine thread runs Python most of a step and rarely waits: with the default
     # 5 ms switch interval, each hand-off of a token to a gRPC thread could wait that

@@ -22,57 +22,64 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from tandem.protos import transfer_pb2 as tandem_dot_protos_dot_transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/protos/node.proto\x12\x0etandem.node.v1\"\xde\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0b\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"i\n\x07Request\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.tandem.node.v1.SamplingParams\"{\n\x08KVLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\"\xb9\x01\n\x04Sink\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\x12(\n\x06layout\x18\x05 \x01(\x0b\x32\x18.tandem.node.v1.KVLayout\x12\x12\n\nexpires_at\x18\x06 \x01(\x01\x12\x11\n\tconnector\x18\x07 \x01(\t\x12\x13\n\x0btarget_json\x18\x08 \x01(\t\"I\n\x0eReserveRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.tandem.node.v1.Request\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"I\n\x0cReserveReply\x12\"\n\x04sink\x18\x01 \x01(\x0b\x32\x14.tandem.node.v1.Sink\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\"^\n\x0ePrefillRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.tandem.node.v1.Request\x12\"\n\x04sink\x18\x02 \x01(\x0b\x32\x14.tandem.node.v1.Sink\"_\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x03\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\"e\n\x0fGenerateRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.tandem.node.v1.Request\x12\x18\n\x0b\x66irst_token\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x0e\n\x0c_first_token\"\x9f\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xaa\x01\n\x0bHealthReply\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.tandem.node.v1.Role\x12\x11\n\taccepting\x18\x02 \x01(\x08\x12\r\n\x05model\x18\x03 \x01(\t\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12(\n\x06layout\x18\x05 \x01(\x0b\x32\x18.tandem.node.v1.KVLayout\x12\x11\n\tconnector\x18\x06 \x01(\t\"\x0e\n\x0cStatsRequest\"\xb9\x03\n\nStatsReply\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.tandem.node.v1.Role\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x14\n\x0cnum_reserved\x18\x04 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x03\x12\x1e\n\x16prompt_tokens_computed\x18\x08 \x01(\x03\x12\x1c\n\x14prompt_tokens_cached\x18\t \x01(\x03\x12\x19\n\x11generation_tokens\x18\n \x01(\x03\x12\x15\n\rkv_bytes_sent\x18\x0b \x01(\x03\x12\x19\n\x11kv_bytes_received\x18\x0c \x01(\x03\x12\x18\n\x10transfers_failed\x18\r \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x0f \x01(\x03\x12\x1b\n\x13kv_transfer_seconds\x18\x10 \x01(\x01\"M\n\x0eSetRoleRequest\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.tandem.node.v1.Role\x12\x17\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01\"C\n\x0cSetRoleReply\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.tandem.node.v1.Role\x12\x0f\n\x07\x64rained\x18\x02 \x01(\x08\"\x14\n\x12\x42lockEventsRequest\"D\n\x0f\x42lockEventBatch\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x0c\x12\x0f\n\x07\x65victed\x18\x03 \x03(\x0c*5\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREFILL\x10\x01\x12\n\n\x06\x44\x45\x43ODE\x10\x02\x32\xd1\x04\n\x04Node\x12G\n\x07Reserve\x12\x1e.tandem.node.v1.ReserveRequest\x1a\x1c.tandem.node.v1.ReserveReply\x12G\n\x07Prefill\x12\x1e.tandem.node.v1.PrefillRequest\x1a\x1c.tandem.node.v1.PrefillReply\x12L\n\x08Generate\x12\x1f.tandem.node.v1.GenerateRequest\x1a\x1d.tandem.node.v1.GenerateChunk0\x01\x12\x41\n\x05\x41\x62ort\x12\x1c.tandem.node.v1.AbortRequest\x1a\x1a.tandem.node.v1.AbortReply\x12\x44\n\x06Health\x12\x1d.tandem.node.v1.HealthRequest\x1a\x1b.tandem.node.v1.HealthReply\x12\x41\n\x05Stats\x12\x1c.tandem.node.v1.StatsRequest\x1a\x1a.tandem.node.v1.StatsReply\x12G\n\x07SetRole\x12\x1e.tandem.node.v1.SetRoleRequest\x1a\x1c.tandem.node.v1.SetRoleReply\x12T\n\x0b\x42lockEvents\x12\".tandem.node.v1.BlockEventsRequest\x1a\x1f.tandem.node.v1.BlockEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/protos/node.proto\x12\x0etandem.node.v1\x1a\x1ctandem/protos/transfer.proto\"\xde\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0b\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"i\n\x07Request\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.tandem.node.v1.SamplingParams\"{\n\x08KVLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\"\xe3\x01\n\x04Sink\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\x12(\n\x06layout\x18\x05 \x01(\x0b\x32\x18.tandem.node.v1.KVLayout\x12\x12\n\nexpires_at\x18\x06 \x01(\x01\x12\x11\n\tconnector\x18\x07 \x01(\t\x12*\n\x06target\x18\t \x01(\x0b\x32\x1a.tandem.transfer.IpcTargetJ\x04\x08\x08\x10\tR\x0btarget_json\"I\n\x0eReserveRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.tandem.node.v1.Request\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"I\n\x0cReserveReply\x12\"\n\x04sink\x18\x01 \x01(\x0b\x32\x14.tandem.node.v1.Sink\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\"^\n\x0ePrefillRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.tandem.node.v1.Request\x12\"\n\x04sink\x18\x02 \x01(\x0b\x32\x14.tandem.node.v1.Sink\"_\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x03\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\"o\n\x0bPrefillPlan\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x1f\n\x17local_prefill_threshold\x18\x02 \x01(\x05\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x15\n\rfail_on_error\x18\x04 \x01(\x08J\x04\x08\x05\x10\x06\"\xa7\x01\n\x0fGenerateRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.tandem.node.v1.Request\x12\x18\n\x0b\x66irst_token\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12,\n\x07prefill\x18\x03 \x01(\x0b\x32\x1b.tandem.node.v1.PrefillPlan\x12\x12\n\nsubscriber\x18\x04 \x01(\tB\x0e\n\x0c_first_token\"$\n\x0eOutputsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"<\n\x0bOutputBatch\x12-\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x1d.tandem.node.v1.GenerateChunk\"\xfc\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x14\n\x0cprefilled_by\x18\x08 \x01(\t\x12\x15\n\rprefill_error\x18\t \x01(\t\x12\x1a\n\x12prefill_error_code\x18\n \x01(\t\x12\x12\n\nrequest_id\x18\x0b \x01(\t\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x88\x02\n\x0bHealthReply\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.tandem.node.v1.Role\x12\x11\n\taccepting\x18\x02 \x01(\x08\x12\r\n\x05model\x18\x03 \x01(\t\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12(\n\x06layout\x18\x05 \x01(\x0b\x32\x18.tandem.node.v1.KVLayout\x12\x11\n\tconnector\x18\x06 \x01(\t\x12\x14\n\x0c\x65ngine_alive\x18\x07 \x01(\x08\x12\x1a\n\x12seconds_since_step\x18\x08 \x01(\x01\x12\x14\n\x0c\x66\x61iled_steps\x18\t \x01(\x04\x12\x14\n\x0c\x65ngine_error\x18\n \x01(\t\"\x0e\n\x0cStatsRequest\"\xb9\x03\n\nStatsReply\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.tandem.node.v1.Role\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x14\n\x0cnum_reserved\x18\x04 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x03\x12\x1e\n\x16prompt_tokens_computed\x18\x08 \x01(\x03\x12\x1c\n\x14prompt_tokens_cached\x18\t \x01(\x03\x12\x19\n\x11generation_tokens\x18\n \x01(\x03\x12\x15\n\rkv_bytes_sent\x18\x0b \x01(\x03\x12\x19\n\x11kv_bytes_received\x18\x0c \x01(\x03\x12\x18\n\x10transfers_failed\x18\r \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x0f \x01(\x03\x12\x1b\n\x13kv_transfer_seconds\x18\x10 \x01(\x01\"M\n\x0eSetRoleRequest\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.tandem.node.v1.Role\x12\x17\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01\"C\n\x0cSetRoleReply\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.tandem.node.v1.Role\x12\x0f\n\x07\x64rained\x18\x02 \x01(\x08\"\x14\n\x12\x42lockEventsRequest\"D\n\x0f\x42lockEventBatch\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x0c\x12\x0f\n\x07\x65victed\x18\x03 \x03(\x0c*5\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREFILL\x10\x01\x12\n\n\x06\x44\x45\x43ODE\x10\x02\x32\x9b\x05\n\x04Node\x12G\n\x07Reserve\x12\x1e.tandem.node.v1.ReserveRequest\x1a\x1c.tandem.node.v1.ReserveReply\x12G\n\x07Prefill\x12\x1e.tandem.node.v1.PrefillRequest\x1a\x1c.tandem.node.v1.PrefillReply\x12L\n\x08Generate\x12\x1f.tandem.node.v1.GenerateRequest\x1a\x1d.tandem.node.v1.GenerateChunk0\x01\x12H\n\x07Outputs\x12\x1e.tandem.node.v1.OutputsRequest\x1a\x1b.tandem.node.v1.OutputBatch0\x01\x12\x41\n\x05\x41\x62ort\x12\x1c.tandem.node.v1.AbortRequest\x1a\x1a.tandem.node.v1.AbortReply\x12\x44\n\x06Health\x12\x1d.tandem.node.v1.HealthRequest\x1a\x1b.tandem.node.v1.HealthReply\x12\x41\n\x05Stats\x12\x1c.tandem.node.v1.StatsRequest\x1a\x1a.tandem.node.v1.StatsReply\x12G\n\x07SetRole\x12\x1e.tandem.node.v1.SetRoleRequest\x1a\x1c.tandem.node.v1.SetRoleReply\x12T\n\x0b\x42lockEvents\x12\".tandem.node.v1.BlockEventsRequest\x1a\x1f.tandem.node.v1.BlockEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.protos.node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=2652
-  _globals['_ROLE']._serialized_end=2705
-  _globals['_SAMPLINGPARAMS']._serialized_start=45
-  _globals['_SAMPLINGPARAMS']._serialized_end=651
-  _globals['_REQUEST']._serialized_start=653
-  _globals['_REQUEST']._serialized_end=758
-  _globals['_KVLAYOUT']._serialized_start=760
-  _globals['_KVLAYOUT']._serialized_end=883
-  _globals['_SINK']._serialized_start=886
-  _globals['_SINK']._serialized_end=1071
-  _globals['_RESERVEREQUEST']._serialized_start=1073
-  _globals['_RESERVEREQUEST']._serialized_end=1146
-  _globals['_RESERVEREPLY']._serialized_start=1148
-  _globals['_RESERVEREPLY']._serialized_end=1221
-  _globals['_PREFILLREQUEST']._serialized_start=1223
-  _globals['_PREFILLREQUEST']._serialized_end=1317
-  _globals['_PREFILLREPLY']._serialized_start=1319
-  _globals['_PREFILLREPLY']._serialized_end=1414
-  _globals['_GENERATEREQUEST']._serialized_start=1416
-  _globals['_GENERATEREQUEST']._serialized_end=1517
-  _globals['_GENERATECHUNK']._serialized_start=1520
-  _globals['_GENERATECHUNK']._serialized_end=1679
-  _globals['_ABORTREQUEST']._serialized_start=1681
-  _globals['_ABORTREQUEST']._serialized_end=1731
-  _globals['_ABORTREPLY']._serialized_start=1733
-  _globals['_ABORTREPLY']._serialized_end=1760
-  _globals['_HEALTHREQUEST']._serialized_start=1762
-  _globals['_HEALTHREQUEST']._serialized_end=1777
-  _globals['_HEALTHREPLY']._serialized_start=1780
-  _globals['_HEALTHREPLY']._serialized_end=1950
-  _globals['_STATSREQUEST']._serialized_start=1952
-  _globals['_STATSREQUEST']._serialized_end=1966
-  _globals['_STATSREPLY']._serialized_start=1969
-  _globals['_STATSREPLY']._serialized_end=2410
-  _globals['_SETROLEREQUEST']._serialized_start=2412
-  _globals['_SETROLEREQUEST']._serialized_end=2489
-  _globals['_SETROLEREPLY']._serialized_start=2491
-  _globals['_SETROLEREPLY']._serialized_end=2558
-  _globals['_BLOCKEVENTSREQUEST']._serialized_start=2560
-  _globals['_BLOCKEVENTSREQUEST']._serialized_end=2580
-  _globals['_BLOCKEVENTBATCH']._serialized_start=2582
-  _globals['_BLOCKEVENTBATCH']._serialized_end=2650
-  _globals['_NODE']._serialized_start=2708
-  _globals['_NODE']._serialized_end=3301
+  _globals['_ROLE']._serialized_start=3191
+  _globals['_ROLE']._serialized_end=3244
+  _globals['_SAMPLINGPARAMS']._serialized_start=75
+  _globals['_SAMPLINGPARAMS']._serialized_end=681
+  _globals['_REQUEST']._serialized_start=683
+  _globals['_REQUEST']._serialized_end=788
+  _globals['_KVLAYOUT']._serialized_start=790
+  _globals['_KVLAYOUT']._serialized_end=913
+  _globals['_SINK']._serialized_start=916
+  _globals['_SINK']._serialized_end=1143
+  _globals['_RESERVEREQUEST']._serialized_start=1145
+  _globals['_RESERVEREQUEST']._serialized_end=1218
+  _globals['_RESERVEREPLY']._serialized_start=1220
+  _globals['_RESERVEREPLY']._serialized_end=1293
+  _globals['_PREFILLREQUEST']._serialized_start=1295
+  _globals['_PREFILLREQUEST']._serialized_end=1389
+  _globals['_PREFILLREPLY']._serialized_start=1391
+  _globals['_PREFILLREPLY']._serialized_end=1486
+  _globals['_PREFILLPLAN']._serialized_start=1488
+  _globals['_PREFILLPLAN']._serialized_end=1599
+  _globals['_GENERATEREQUEST']._serialized_start=1602
+  _globals['_GENERATEREQUEST']._serialized_end=1769
+  _globals['_OUTPUTSREQUEST']._serialized_start=1771
+  _globals['_OUTPUTSREQUEST']._serialized_end=1807
+  _globals['_OUTPUTBATCH']._serialized_start=1809
+  _globals['_OUTPUTBATCH']._serialized_end=1869
+  _globals['_GENERATECHUNK']._serialized_start=1872
+  _globals['_GENERATECHUNK']._serialized_end=2124
+  _globals['_ABORTREQUEST']._serialized_start=2126
+  _globals['_ABORTREQUEST']._serialized_end=2176
+  _globals['_ABORTREPLY']._serialized_start=2178
+  _globals['_ABORTREPLY']._serialized_end=2205
+  _globals['_HEALTHREQUEST']._serialized_start=2207
+  _globals['_HEALTHREQUEST']._serialized_end=2222
+  _globals['_HEALTHREPLY']._serialized_start=2225
+  _globals['_HEALTHREPLY']._serialized_end=2489
+  _globals['_STATSREQUEST']._serialized_start=2491
+  _globals['_STATSREQUEST']._serialized_end=2505
+  _globals['_STATSREPLY']._serialized_start=2508
+  _globals['_STATSREPLY']._serialized_end=2949
+  _globals['_SETROLEREQUEST']._serialized_start=2951
+  _globals['_SETROLEREQUEST']._serialized_end=3028
+  _globals['_SETROLEREPLY']._serialized_start=3030
+  _globals['_SETROLEREPLY']._serialized_end=3097
+  _globals['_BLOCKEVENTSREQUEST']._serialized_start=3099
+  _globals['_BLOCKEVENTSREQUEST']._serialized_end=3119
+  _globals['_BLOCKEVENTBATCH']._serialized_start=3121
+  _globals['_BLOCKEVENTBATCH']._serialized_end=3189
+  _globals['_NODE']._serialized_start=3247
+  _globals['_NODE']._serialized_end=3914
 # @@protoc_insertion_point(module_scope)

@@ -49,6 +49,11 @@ class NodeStub:
                 request_serializer=tandem_dot_protos_dot_node__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=tandem_dot_protos_dot_node__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Outputs = channel.unary_stream(
+                '/tandem.node.v1.Node/Outputs',
+                request_serializer=tandem_dot_protos_dot_node__pb2.OutputsRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_node__pb2.OutputBatch.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.node.v1.Node/Abort',
                 request_serializer=tandem_dot_protos_dot_node__pb2.AbortRequest.SerializeToString,
@@ -97,7 +102,20 @@ class NodeServicer:
 
     def Generate(self, request, context):
         """Decode role: once the sink is ready (or the prompt is prefilled here), join
-        continuous batching and stream the generated tokens.
+        continuous batching and stream the generated tokens. With a prefill plan, the one
+        call the router makes (decode-first): this node reserves the prompt's blocks, asks
+        the plan's prefill node to compute the rest into them, and streams from its first
+        token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Outputs(self, request, context):
+        """Decode role: the chunks of every Generate call naming this subscriber, batched as
+        they are made (about one message per engine step for all of them) rather than one
+        message per token in each call's stream. The first message is empty: the stream is
+        open. When it ends, the requests whose chunks it carries are aborted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -154,6 +172,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=tandem_dot_protos_dot_node__pb2.GenerateRequest.FromString,
                     response_serializer=tandem_dot_protos_dot_node__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Outputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.Outputs,
+                    request_deserializer=tandem_dot_protos_dot_node__pb2.OutputsRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_node__pb2.OutputBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -262,6 +285,33 @@ class Node:
             '/tandem.node.v1.Node/Generate',
             tandem_dot_protos_dot_node__pb2.GenerateRequest.SerializeToString,
             tandem_dot_protos_dot_node__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Outputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.node.v1.Node/Outputs',
+            tandem_dot_protos_dot_node__pb2.OutputsRequest.SerializeToString,
+            tandem_dot_protos_dot_node__pb2.OutputBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,15 +3,18 @@
 `/metrics`. It validates and tokenizes here (the chat template too), then hands the
 token ids to `Flow`, which runs them through the pools.
 
-Every response carries `X-Request-Id`: the client's, or one made here; the nodes know
-the request by it. A rejected request gets the OpenAI error JSON with a 4xx status; an
-error after a stream started ends the stream with an error event, then `[DONE]`.
+Every request gets an id made here, which the nodes know it by; a client's
+`X-Request-Id` is echoed back, never used as a key (two clients may send the same). Every
+error status carries the OpenAI error JSON (404, 405, 413 and 500 included); an error
+after a stream started ends the stream with an error event, then `[DONE]`. A client that
+goes away aborts its request, streaming or not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,21 +23,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
 from tandem.node import convert
 from tandem.protos import node_pb2 as pb
 from tandem.router.flow import Flow, FlowConfig, StreamBroken
+from tandem.router.guard import RETRY_AFTER_S, Authenticate, ConcurrencyLimit, Credentials
 from tandem.router.index import RouterIndex
+from tandem.router.limits import Limits
 from tandem.router.metrics import RouterMetrics
 from tandem.router.pool import Pool
 from tandem.router.protocol import APIError, ChatRequest, CompletionRequest
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default; chat defaults to the context left
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default; chat's is Limits.default_chat_max_tokens
+DISCONNECT_POLL_S = 0.5  # a non-streaming request looks at its client this often
 
 
 @dataclass
@@ -47,10 +57,13 @@ class RouterSettings:
     max_model_len: int = 8192
     index: str = "memory"  # or redis://...: see router/index.py
     vocab_size: int | None = None  # bounds prompt token ids; None: the tokenizer's
+    limits: Limits = field(default_factory=Limits)
+    credentials: Credentials = field(default_factory=Credentials)
+    cluster_secret: bytes | None = None  # every call to a node carries it (node/auth.py)
 
 
 def create_app(settings: RouterSettings) -> FastAPI:
-    pool = Pool(settings.prefill, settings.decode)
+    pool = Pool(settings.prefill, settings.decode, settings.cluster_secret)
     index = RouterIndex(settings.index, pool, settings.model)
     metrics = RouterMetrics(pool, index)
     flow = Flow(pool, settings.flow, metrics, index)
@@ -65,11 +78,32 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     app = FastAPI(title="Tandem", lifespan=lifespan)
     app.state.pool, app.state.metrics = pool, metrics
+    # The last added runs first: a caller without the key takes no concurrency slot.
+    app.add_middleware(ConcurrencyLimit, limit=settings.limits.max_concurrent_requests)
+    app.add_middleware(Authenticate, credentials=settings.credentials)
+
+    @app.exception_handler(HTTPException)  # 404, 405, ...: the same JSON as the rest
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        error = APIError(str(exc.detail), status=exc.status_code, kind=kind)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(APIError(str(exc.errors()[:1])).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        error = APIError(f"internal error: {type(exc).__name__}", status=500, kind="server_error")
+        return JSONResponse(error.body(), status_code=500)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         metrics.errors.labels(str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        # No capacity now (every node full or down): worth retrying soon.
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -83,10 +117,17 @@ def create_app(settings: RouterSettings) -> FastAPI:
         return {"object": "list", "data": [{"id": settings.model, "object": "model",
                                             "created": 0, "owned_by": "tandem"}]}
 
+    @app.get("/admin/v1/nodes")  # behind the admin token (router/guard.py)
+    async def admin_nodes() -> dict[str, Any]:
+        return {"nodes": [{"address": n.address, "role": pb.Role.Name(n.role).lower(),
+                           "healthy": n.healthy, "in_flight": n.in_flight}
+                          for n in pool.nodes]}
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    limits = settings.limits
     vocab_size = settings.vocab_size or (settings.tokenizer.vocab_size
                                          if settings.tokenizer is not None else 0)
 
@@ -98,33 +139,48 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await _parse(request, CompletionRequest, settings.model)
+        body = await _parse(request, CompletionRequest, settings.model, limits)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
             need_tokenizer("send the prompt as token ids", "prompt")
         if body.stop:
             need_tokenizer("stop strings cannot match; use stop_token_ids", "stop")
-        params = body.sampling_params(body.max_tokens, DEFAULT_MAX_TOKENS)
         ids = await asyncio.to_thread(_tokens, settings.tokenizer, prompt, vocab_size)
+        params = body.sampling_params(_max_tokens(len(ids), body.max_tokens, None),
+                                      DEFAULT_MAX_TOKENS)
         return await _respond(request, body, ids, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        body = await _parse(request, ChatRequest, settings.model)
+        body = await _parse(request, ChatRequest, settings.model, limits)
         need_tokenizer("chat needs a chat template; use /v1/completions with token ids",
                        "messages")
         conversation = body.conversation()
         text = await asyncio.to_thread(settings.tokenizer.apply_chat_template, conversation)
         ids = await asyncio.to_thread(_tokens, settings.tokenizer, text, vocab_size)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        room = max(1, settings.max_model_len - len(ids))
-        params = body.sampling_params(max_tokens, room)
+        asked = body.max_completion_tokens or body.max_tokens
+        max_tokens = _max_tokens(len(ids), asked, limits.default_chat_max_tokens)
+        params = body.sampling_params(max_tokens, DEFAULT_MAX_TOKENS)
         return await _respond(request, body, ids, params, chat=True)
+
+    def _max_tokens(num_prompt: int, asked: int | None, default: int | None) -> int | None:
+        """`asked`, refused if the prompt and it do not fit the context; without it,
+        `default` cut to the context left (None: the completions default)."""
+        room = settings.max_model_len - num_prompt
+        if room <= 0:
+            raise APIError(f"the prompt has {num_prompt} tokens; the context length is "
+                           f"{settings.max_model_len}", "prompt", "context_length_exceeded")
+        if asked is not None and asked > room:
+            raise APIError(f"this model's context length is {settings.max_model_len} "
+                           f"tokens; the prompt has {num_prompt} and max_tokens asks for "
+                           f"{asked}", "max_tokens", "context_length_exceeded")
+        if asked is None and default is not None:
+            return min(default, room)
+        return asked if asked is not None else min(DEFAULT_MAX_TOKENS, room)
 
     async def _respond(request: Request, body: CompletionRequest | ChatRequest,
                        ids: list[int], params: SamplingParams, chat: bool) -> Response:
-        rid = request.headers.get("x-request-id") or f"{'chatcmpl' if chat else 'cmpl'}-" \
-            f"{uuid.uuid4().hex}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"  # never the client's
         call = pb.Request(request_id=rid, prompt_token_ids=ids,
                           sampling=convert.sampling_to_pb(params))
         started = time.monotonic()
@@ -138,9 +194,10 @@ def create_app(settings: RouterSettings) -> FastAPI:
             raise APIError(str(exc), status=502, kind="server_error") from None
         metrics.ttft.observe(time.monotonic() - started)
         shape = _Shape(rid, settings.model, chat, settings.tokenizer is None)
-        headers = {"X-Request-Id": rid}
+        headers = {"X-Request-Id": request.headers.get("x-request-id") or rid}
         if not body.stream:
-            return JSONResponse(await _collect(first, chunks, shape, started), headers=headers)
+            whole = await _until_disconnected(request, _collect(first, chunks, shape, started))
+            return JSONResponse(whole, headers=headers)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_sse(first, chunks, shape, include_usage, started),
                                  media_type="text/event-stream", headers=headers)
@@ -155,6 +212,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
                 last = chunk
         except StreamBroken as exc:
             raise APIError(str(exc), status=502, kind="server_error") from None
+        finally:
+            await chunks.aclose()  # cancelled (the client went away): the flow aborts it
         _observe_end(last, started)
         return shape.whole("".join(text), last, ids)
 
@@ -189,14 +248,18 @@ def create_app(settings: RouterSettings) -> FastAPI:
     return app
 
 
-async def _parse(request: Request, model: type[BaseModel], served: str) -> Any:
-    raw = await request.body()
+async def _parse(request: Request, model: type[BaseModel], served: str, limits: Limits
+                 ) -> Any:
+    raw = await _body(request, limits.max_body_bytes)
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of too many digits
         raise APIError(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError("the body is nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError("the body must be a JSON object")
+    _check_text(data)
     try:
         body = model.model_validate(data)
     except ValidationError as exc:
@@ -210,7 +273,53 @@ async def _parse(request: Request, model: type[BaseModel], served: str) -> Any:
     if names := body.unsupported():
         raise APIError(f"not supported: {', '.join(names)}", names[0].split(" ")[0],
                        "unsupported_parameter")
+    body.check_stop(limits)
     return body
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 once it passes `limit` bytes (read no further)."""
+    too_big = APIError(f"the request body is larger than {limit} bytes", status=413,
+                       code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_big
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _check_text(data: dict[str, Any]) -> None:
+    """Every string in the body must be valid Unicode: JSON can carry lone UTF-16
+    surrogates (\\ud800), which no tokenizer or protobuf string can."""
+    todo: list[tuple[str, Any]] = [(key, value) for key, value in data.items()]
+    while todo:
+        key, value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(f"{key} is not valid Unicode (a lone surrogate)", key) from None
+        elif isinstance(value, dict):
+            todo += [(key, v) for v in value.values()]
+        elif isinstance(value, list):
+            todo += [(key, v) for v in value]
+
+
+async def _until_disconnected(request: Request, work: Any) -> Any:
+    """Await `work` (a coroutine); cancelled, and 499, if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            raise APIError("the client went away", status=499, code="client_closed")
 
 
 def _tokens(tokenizer: Tokenizer | None, prompt: str | list[int], vocab_size: int

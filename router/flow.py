@@ -1,14 +1,21 @@
-"""One request through the pools (DESIGN.md, request flow, steps 2 to 7):
+"""One request through the pools (DESIGN.md, request flow, steps 2 to 7), in one call
+from the router on the critical path (decode-first):
 
-1. pick a decode node and reserve the prompt's blocks there (its prefix cache counts);
-2. if the tokens it lacks are fewer than `local_prefill_threshold`, it prefills itself;
-   else pick a prefill node, which computes the prompt and pushes its KV into the sink;
-3. stream the tokens the decode node generates.
+1. pick a decode node, and a prefill node by the prompt's cached blocks and its queue;
+2. call `Generate` on the decode node with a prefill plan naming that prefill node: the
+   decode node reserves the prompt's blocks (its prefix cache counts); if the tokens it
+   lacks are fewer than `local_prefill_threshold`, it prefills itself, else it calls the
+   prefill node, which computes the prompt and pushes its KV into the reserved blocks;
+3. stream the tokens the decode node generates, the first as soon as it is sampled:
+   they come through this router's `Outputs` stream from that node (one message per
+   engine step for all its requests; `NodeClient.follow_outputs`), or in the Generate
+   call's own stream while that is not open.
 
 Failures: a decode node that fails before the first token reached the client is marked
 down and the request starts over on another; a prefill node or transfer that fails
-leaves the prompt to the decode node (`on_transfer_failure="recompute"`, the default)
-or fails the request ("fail"). A client that goes away, or any other end before the
+leaves the prompt to the decode node (`on_transfer_failure="recompute"`, the default:
+its first chunk says so, and a prefill node found unreachable is marked down) or fails
+the request ("fail"). A client that goes away, or any other end before the
 last token, aborts the request on every node it touched, which frees its blocks.
 """
 
@@ -21,10 +28,11 @@ from dataclasses import dataclass
 
 import grpc
 
+from tandem.node.timeouts import TIMEOUTS, Timeouts
 from tandem.protos import node_pb2 as pb
 from tandem.router.index import RouterIndex
 from tandem.router.metrics import RouterMetrics
-from tandem.router.pool import NodeClient, Pool
+from tandem.router.pool import NodeClient, OutputsClosed, Pool
 from tandem.router.protocol import APIError
 
 log = logging.getLogger(__name__)
@@ -32,6 +40,13 @@ log = logging.getLogger(__name__)
 _RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
                 grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+
+
+# An Abort that got no answer is tried again (the node is unreachable or busy).
+_ABORT_RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                      grpc.StatusCode.RESOURCE_EXHAUSTED}
+_LAST_CHUNK_WAIT_S = 10.0  # a Generate call ended well: its last chunk is on its way
+_CALL_ENDED = object()
 
 
 class StreamBroken(Exception):
@@ -42,9 +57,8 @@ class StreamBroken(Exception):
 class FlowConfig:
     local_prefill_threshold: int = 0  # uncached tokens below this: prefill on the decode node
     on_transfer_failure: str = "recompute"  # or "fail"
-    reserve_ttl_s: float = 30.0
-    prefill_timeout_s: float = 300.0
     max_attempts: int = 3  # decode nodes tried per request
+    timeouts: Timeouts = TIMEOUTS
 
 
 class Flow:
@@ -78,82 +92,159 @@ class Flow:
                     raise APIError(f"the decode node failed: {exc.details()}", status=500,
                                    kind="server_error") from None
                 last_error = f"{decode.name}: {exc.details()}"
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    decode.mark_down(exc.details() or "unavailable")
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
+                    # Gone, or its engine failed: nothing more goes there until its
+                    # Health says it is alive again.
+                    decode.mark_down(exc.details() or exc.code().name)
                 self.metrics.retries.labels("decode").inc()
         raise APIError(f"no decode node could serve the request ({last_error})", status=503,
                        kind="service_unavailable", code="no_capacity")
 
     async def _on(self, decode: NodeClient, request: pb.Request
                   ) -> AsyncIterator[pb.GenerateChunk]:
+        """One call, decode-first: the decode node reserves the prompt's blocks, has the
+        prefill node picked here compute them (or computes them itself), and streams."""
         rid = request.request_id
-        touched: list[NodeClient] = [decode]
+        prefill = await self._pick_prefill(request)
+        touched = [decode] if prefill is None else [decode, prefill]
+        plan = pb.PrefillPlan(
+            address=prefill.address if prefill is not None else "",
+            local_prefill_threshold=self.config.local_prefill_threshold,
+            timeout_s=self.config.timeouts.prefill_s,
+            fail_on_error=self.config.on_transfer_failure == "fail",
+        )
         finished = False
         decode.in_flight += 1
+        if prefill is not None:
+            prefill.in_flight += 1
         try:
-            reserved = await decode.stub.Reserve(
-                pb.ReserveRequest(request=request, ttl_s=self.config.reserve_ttl_s),
-                timeout=30)
-            uncached = len(request.prompt_token_ids) - reserved.cached_tokens
-            first = None
-            if uncached >= self.config.local_prefill_threshold:
-                first = await self._prefill(request, reserved.sink, touched)
-            else:
-                self.metrics.requests.labels("decode-local").inc()
-            generate = pb.GenerateRequest(request=request)
-            if first is not None:
-                generate.first_token = first
-            async for chunk in decode.stub.Generate(generate):
+            head = True
+            async for chunk in self._generate(decode, pb.GenerateRequest(request=request,
+                                                                         prefill=plan)):
+                if head:
+                    head = False
+                    self._count_prefill(rid, chunk, prefill)
+                    if prefill is not None:
+                        prefill.in_flight -= 1
+                        prefill = None
                 yield chunk
                 if chunk.finish_reason:
                     finished = True
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.ABORTED and plan.fail_on_error:
+                self.metrics.transfer_failures.inc()
+                raise APIError(exc.details() or "prefill failed", status=502,
+                               kind="server_error", code="prefill_failed") from None
+            raise
         finally:
             decode.in_flight -= 1
+            if prefill is not None:
+                prefill.in_flight -= 1
             if not finished:  # an error, or the client went away: free it everywhere
                 self._abort(rid, touched)
 
-    async def _prefill(self, request: pb.Request, sink: pb.Sink,
-                       touched: list[NodeClient]) -> int | None:
-        """The first token from a prefill node that pushed the prompt's KV into `sink`;
-        None to have the decode node compute the prompt instead."""
-        cached = await self.index.cached_tokens(request.prompt_token_ids)
-        node = self.pool.pick_prefill(len(request.prompt_token_ids), cached)
-        if node is None:
-            self.metrics.requests.labels("decode-local").inc()
-            return None  # no prefill node up: the decode node does it all
-        touched.append(node)
-        self.metrics.requests.labels("prefill").inc()
-        node.in_flight += 1
+    async def _generate(self, decode: NodeClient, msg: pb.GenerateRequest
+                        ) -> AsyncIterator[pb.GenerateChunk]:
+        """The chunks of one Generate call on `decode`: through this router's Outputs
+        stream there while it is open, else in the call's own stream. Raises the call's
+        AioRpcError (UNAVAILABLE if the Outputs stream closes first)."""
+        self.metrics.streams.labels("outputs" if decode.outputs_open else "call").inc()
+        deadline = self.config.timeouts.generate_s  # then the node aborts it
+        if not decode.outputs_open:
+            async for chunk in decode.stub.Generate(msg, timeout=deadline):
+                yield chunk
+            return
+        rid = msg.request.request_id
+        waiting: asyncio.Queue = asyncio.Queue()
+        decode.waiting[rid] = waiting  # before the call: no chunk comes earlier
+        msg.subscriber = decode.subscriber
+        call = decode.stub.Generate(msg, timeout=deadline)
+
+        async def watch() -> None:  # the call carries no chunk: its end, or its error
+            try:
+                async for _ in call:
+                    pass
+                waiting.put_nowait(_CALL_ENDED)
+            except grpc.aio.AioRpcError as exc:
+                waiting.put_nowait(exc)
+
+        watcher = asyncio.create_task(watch())
+        self._cleanup.add(watcher)
+        watcher.add_done_callback(self._cleanup.discard)
+        finished = False
         try:
-            done = await node.stub.Prefill(pb.PrefillRequest(request=request, sink=sink),
-                                           timeout=self.config.prefill_timeout_s)
-            return done.first_token
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                node.mark_down(exc.details() or "unavailable")
-            self.metrics.transfer_failures.inc()
-            if self.config.on_transfer_failure == "fail":
-                raise APIError(f"prefill failed on {node.name}: {exc.details()}", status=502,
-                               kind="server_error", code="prefill_failed") from None
-            log.warning("prefill of %s failed on %s (%s); the decode node computes it",
-                        request.request_id, node.name, exc.details())
-            self.metrics.retries.labels("prefill").inc()
-            return None
+            ended = False
+            while True:
+                if not ended:
+                    item = await waiting.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(waiting.get(), _LAST_CHUNK_WAIT_S)
+                    except TimeoutError:
+                        raise _unavailable("the Generate call ended; its last chunk never "
+                                           "came") from None
+                if item is _CALL_ENDED:
+                    ended = True
+                elif isinstance(item, grpc.aio.AioRpcError):
+                    raise item
+                elif isinstance(item, OutputsClosed):
+                    raise _unavailable(item.why)
+                else:
+                    yield item
+                    if item.finish_reason:
+                        finished = True
+                        return
         finally:
-            node.in_flight -= 1
+            decode.waiting.pop(rid, None)
+            if not finished:  # the node aborts the request when its call is cancelled
+                call.cancel()
+
+    async def _pick_prefill(self, request: pb.Request) -> NodeClient | None:
+        """The prefill node with the least work for this prompt; None: none is up, and
+        the decode node computes it."""
+        cached = await self.index.cached_tokens(request.prompt_token_ids)
+        return self.pool.pick_prefill(len(request.prompt_token_ids), cached)
+
+    def _count_prefill(self, rid: str, chunk: pb.GenerateChunk,
+                       prefill: NodeClient | None) -> None:
+        """Where the decode node says the prompt was computed, and what failed."""
+        self.metrics.requests.labels("prefill" if chunk.prefilled_by else "decode-local").inc()
+        if not chunk.prefill_error or prefill is None:
+            return
+        self.metrics.transfer_failures.inc()
+        self.metrics.retries.labels("prefill").inc()
+        if chunk.prefill_error_code == "UNAVAILABLE":
+            prefill.mark_down(chunk.prefill_error)
+        log.warning("prefill of %s failed on %s (%s); the decode node computed it", rid,
+                    prefill.name, chunk.prefill_error)
 
     def _abort(self, rid: str, nodes: list[NodeClient]) -> None:
-        """Abort on every node, in the background: the caller may be a cancelled task."""
-        async def abort_all() -> None:
-            for node in nodes:
-                try:
-                    await node.stub.Abort(pb.AbortRequest(request_id=rid, reason="router"),
-                                          timeout=5)
-                except grpc.aio.AioRpcError as exc:
-                    log.info("abort of %s on %s: %s", rid, node.name, exc.details())
+        """Abort on every node, in the background (the caller may be a cancelled task),
+        each tried until the node answers or the longest lease has lapsed: by then the
+        node has freed the request's blocks itself."""
+        t = self.config.timeouts
+        msg = pb.AbortRequest(request_id=rid, reason="router")
 
-        task = asyncio.get_running_loop().create_task(abort_all())
-        self._cleanup.add(task)
-        task.add_done_callback(self._cleanup.discard)
+        async def abort(node: NodeClient) -> None:
+            loop = asyncio.get_running_loop()
+            give_up = loop.time() + t.lease_s
+            while True:
+                try:
+                    await node.stub.Abort(msg, timeout=t.control_s)
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in _ABORT_RETRY_CODES or loop.time() >= give_up:
+                        log.warning("abort of %s on %s failed: %s", rid, node.name,
+                                    exc.details())
+                        return
+                await asyncio.sleep(t.abort_retry_s)
+
+        for node in nodes:
+            task = asyncio.get_running_loop().create_task(abort(node))
+            self._cleanup.add(task)
+            task.add_done_callback(self._cleanup.discard)
+
+
+def _unavailable(why: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                grpc.aio.Metadata(), details=why)

@@ -8,6 +8,7 @@ import logging
 import os
 import queue
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,8 +20,11 @@ from dataclasses import dataclass
 import uvicorn
 
 from tandem.engine.loader import load_model_config, load_tokenizer, resolve_model
+from tandem.node.auth import CLUSTER_SECRET_ENV, read_secret
 from tandem.router.app import RouterSettings, create_app
 from tandem.router.flow import FlowConfig
+from tandem.router.guard import Credentials
+from tandem.router.limits import Limits
 
 log = logging.getLogger("tandem.router")
 
@@ -44,9 +48,23 @@ def router_settings(args: argparse.Namespace, prefill: Sequence[str],
     if tokenizer is None and not args.skip_tokenizer_init:
         raise ValueError(f"model {args.model!r} has no tokenizer; start with "
                          f"--skip-tokenizer-init to serve token ids")
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_stop_strings=args.max_stop_strings,
+                    max_stop_chars=args.max_stop_length,
+                    default_chat_max_tokens=args.default_chat_max_tokens,
+                    max_concurrent_requests=args.max_concurrent_requests)
+    credentials = Credentials(
+        api_key=read_secret(args.api_key, args.api_key_file, "TANDEM_API_KEY"),
+        admin_token=read_secret(args.admin_token, args.admin_token_file, "TANDEM_ADMIN_TOKEN"),
+        protect_metrics=args.protect_metrics)
     return RouterSettings(args.served_model_name or args.model, tokenizer, list(prefill),
                           list(decode), flow_config(args), args.max_model_len, args.index,
-                          load_model_config(src).vocab_size)
+                          load_model_config(src).vocab_size, limits, credentials,
+                          cluster_secret(args))
+
+
+def cluster_secret(args: argparse.Namespace) -> bytes | None:
+    secret = read_secret(args.cluster_secret, args.cluster_secret_file, CLUSTER_SECRET_ENV)
+    return None if secret is None else secret.encode()
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -99,6 +117,12 @@ def run_up(args: argparse.Namespace) -> int:
     flow_config(args)  # bad flags fail before anything starts
     plan = plan_nodes(args)
     env = dict(os.environ)
+    # Without one given, a secret of this launch's own: its nodes obey only this router
+    # (and each other), whoever else can reach their ports. To the nodes by their
+    # environment: argv is public.
+    secret = cluster_secret(args) or secrets.token_hex(32).encode()
+    env[CLUSTER_SECRET_ENV] = secret.decode()
+    args.cluster_secret, args.cluster_secret_file = secret.decode(), None  # the router's
     if sum(n.device == "cpu" for n in plan) > 1:
         # Nodes sharing the CPU: an idle node's OpenMP workers must sleep, not spin on
         # the cores another node is computing on (8 streams through 1P1D on 2 cores:
@@ -119,7 +143,11 @@ def run_up(args: argparse.Namespace) -> int:
             children.append(child)
         addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
         for node, child in zip(plan, children):
-            address = _wait_ready(child, node.role)
+            try:
+                address = _wait_ready(child, node.role)
+            except RuntimeError as exc:  # its own error is above, on the shared stderr
+                print(f"tandem: error: {exc}", file=sys.stderr, flush=True)
+                return 1
             addresses[node.role].append(address)
             print(f"{node.role} node ready at {address} on {node.device}", flush=True)
         app = create_app(router_settings(args, addresses["prefill"], addresses["decode"]))

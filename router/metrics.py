@@ -45,6 +45,9 @@ class RouterMetrics:
         self.transfer_failures = Counter("tandem:router_transfer_failures",
                                          "Prefill calls (compute and KV push) that failed.",
                                          registry=r)
+        self.streams = Counter("tandem:router_streams", "Requests by how their tokens came "
+                               "from the decode node: batched in its Outputs stream, or in "
+                               "the request's own call.", ["path"], registry=r)
         self.errors = Counter("tandem:router_request_errors", "Requests that ended in an "
                               "error, by HTTP status.", ["status"], registry=r)
         r.register(_NodeCollector(pool))
@@ -83,6 +86,9 @@ class _NodeCollector(Collector):
                                          "KV cache usage, 0 to 1 (1 is full)."),
             "kv_blocks_used": gauge("kv_blocks_used", "KV blocks held by requests."),
             "node_up": gauge("node_up", "1 while the node answers its health checks."),
+            "router_outputs_stream_open": gauge(
+                "router_outputs_stream_open", "Decode nodes: 1 while this router's Outputs "
+                "stream there is open."),
             "node_prompt_tokens_computed": counter("node_prompt_tokens_computed",
                                                    "Prompt tokens the node computed."),
             "prefix_cache_queries": counter("prefix_cache_queries",
@@ -106,6 +112,9 @@ class _NodeCollector(Collector):
         for node in self.pool.nodes:
             label = [node.name]
             families["node_up"].add_metric(label, 1.0 if node.healthy else 0.0)
+            if node in self.pool.decode:
+                families["router_outputs_stream_open"].add_metric(
+                    label, 1.0 if node.outputs_open else 0.0)
             s = node.stats
             if s is None:
                 continue

@@ -8,11 +8,22 @@ it asked for.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import dataclasses
+import math
+import struct
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.engine.sampling_params import SamplingParams
+from tandem.router.limits import Limits
+
+# What the wire to the nodes carries (protobuf int32 / int64): larger is a 400, not a 500.
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# ... and its floats are 32-bit: what the node reads is the value rounded to one.
+_FLOAT32_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
 
 
 class APIError(Exception):
@@ -25,8 +36,15 @@ class APIError(Exception):
             message, param, code, status, kind)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+        param = None if self.param is None else _utf8(self.param)
+        return {"error": {"message": _utf8(self.message), "type": self.kind, "param": param,
                           "code": self.code}}
+
+
+def _utf8(text: str) -> str:
+    """`text` as UTF-8 can carry it: a lone surrogate from the request (JSON's `\\ud800`,
+    echoed in a message or a parameter's name) is written out as that escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class StreamOptions(BaseModel):
@@ -40,24 +58,24 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    min_tokens: int | None = None
+    stop_token_ids: list[Int32] | None = None
+    min_tokens: Int32 | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Recognized but not implemented: refused by name (`unsupported`).
@@ -74,6 +92,15 @@ class _Sampling(BaseModel):
             names.append("logit_bias")
         return names
 
+    def check_stop(self, limits: Limits) -> None:
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > limits.max_stop_strings:
+            raise APIError(f"at most {limits.max_stop_strings} stop strings, got {len(stops)}",
+                           "stop")
+        if any(len(stop) > limits.max_stop_chars for stop in stops):
+            raise APIError(f"a stop string may have at most {limits.max_stop_chars} "
+                           f"characters", "stop")
+
     def sampling_params(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
         """The engine's parameters; raises APIError naming the first bad one."""
         if max_tokens is not None and max_tokens <= 0:
@@ -88,13 +115,36 @@ class _Sampling(BaseModel):
         if kwargs.get("top_k") == -1:  # vLLM's "no top-k"
             del kwargs["top_k"]
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
                 stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, **kwargs)
         except ValueError as exc:
             raise APIError(str(exc), _param_named_in(str(exc), fields)) from None
+        _check_float32(params)
+        return params
+
+
+def _check_float32(params: SamplingParams) -> None:
+    """Refuse, naming it, a float the node would read as another, invalid one (1e39 as inf,
+    a top_p of 1e-50 as 0): it checks the params again after the wire's rounding."""
+    for name in _FLOAT32_FIELDS:
+        value = getattr(params, name)
+        wire = _float32(value)
+        try:
+            dataclasses.replace(params, **{name: wire})
+        except ValueError as exc:
+            raise APIError(f"{name} is {value!r}, which a 32-bit float holds as {wire!r}: "
+                           f"{exc}", name) from None
+
+
+def _float32(value: float) -> float:
+    """`value` as a protobuf `float` field carries it: the nearest 32-bit float, or inf."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # past the largest 32-bit float
+        return math.copysign(math.inf, value)
 
 
 def _param_named_in(message: str, fields: dict[str, Any]) -> str | None:
@@ -158,7 +208,8 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    # At least 1 here: 0 must not read as "not given" and fall back to max_tokens.
+    max_completion_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None

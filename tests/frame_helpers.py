@@ -29,13 +29,20 @@ def expected_payload(sender: int, i: int, device: str = "cpu") -> torch.Tensor |
 
 
 def numbered_frame(sender: int, i: int, device: str = "cpu") -> Frame:
-    return Frame({"kind": "t", "sender": sender, "i": i}, expected_payload(sender, i, device))
+    """A layer message: request `sender`, layer i (any header-only kind would do too)."""
+    return Frame({"kind": "layer", "request_id": f"{sender}", "layer": i},
+                 expected_payload(sender, i, device))
+
+
+def bye(sender: int) -> Frame:
+    """The reply a receiver sends sender `sender` once its frames arrived."""
+    return Frame({"kind": "done", "request_id": f"{sender}"})
 
 
 def assert_frames_exact(frames: list[Frame], sender: int) -> None:
-    assert [f.header["i"] for f in frames] == list(range(FRAMES)), "order not kept"
+    assert [f.header["layer"] for f in frames] == list(range(FRAMES)), "order not kept"
     for f in frames:
-        want = expected_payload(sender, f.header["i"])
+        want = expected_payload(sender, f.header["layer"])
         if want is None:
             assert f.payload is None and "shape" not in f.header
             continue
@@ -62,7 +69,7 @@ def send_frames_and_await_reply(name: str, options: dict[str, Any], address: str
     reply = s.poll(20)
     s.close()
     connector.close()
-    assert reply is not None and reply.header == {"kind": "bye", "sender": sender}, reply
+    assert reply is not None and reply.header == bye(sender).header, reply
 
 
 def send_two_frames_then_hang(name: str, options: dict[str, Any], address: str,

@@ -210,7 +210,7 @@ class Inbox:
     def by_sender(self) -> dict[int, list[Frame]]:
         out: dict[int, list[Frame]] = {}
         for f in self.frames:
-            out.setdefault(f.header["sender"], []).append(f)
+            out.setdefault(int(f.header["request_id"]), []).append(f)
         return out
 
 

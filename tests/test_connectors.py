@@ -18,6 +18,7 @@ import torch
 from frame_helpers import (
     FRAMES,
     assert_frames_exact,
+    bye,
     numbered_frame,
     push_kv,
     send_frames_and_await_reply,
@@ -40,7 +41,7 @@ from kv_helpers import (
 )
 
 from tandem.kvtransfer.agent import State, TransferAgent
-from tandem.kvtransfer.connector import Connector, Frame, get_connector
+from tandem.kvtransfer.connector import Connector, get_connector
 from tandem.kvtransfer.layout import KVLayout
 
 NO_UCXX = importlib.util.find_spec("ucxx") is None
@@ -78,9 +79,9 @@ def test_frames_round_trip_exact_and_in_order_in_one_process(spec, inbox) -> Non
     assert box.wait(frames=FRAMES)
     assert_frames_exact(box.frames, 0)
     assert all(f.peer == box.frames[0].peer for f in box.frames)
-    receiver.reply(box.frames[0].peer, Frame({"kind": "ack"}))
+    receiver.reply(box.frames[0].peer, bye(0))
     reply = s.poll(5)
-    assert reply is not None and reply.header == {"kind": "ack"} and s.poll() is None
+    assert reply is not None and reply.header == bye(0).header and s.poll() is None
     s.close()
     connector.close()  # a connection it keeps for reuse too
     # A clean close still reaches on_error, exactly once.
@@ -95,7 +96,7 @@ def test_two_sender_processes_into_one_receiver(spec, inbox) -> None:  # noqa: A
         assert box.wait(frames=2 * FRAMES, timeout=40), f"{len(box.frames)} frames arrived"
         for sender, frames in box.by_sender().items():
             assert_frames_exact(frames, sender)
-            receiver.reply(frames[0].peer, Frame({"kind": "bye", "sender": sender}))
+            receiver.reply(frames[0].peer, bye(sender))
         assert sorted(box.by_sender()) == [1, 2]
         join_all(*procs)
     finally:

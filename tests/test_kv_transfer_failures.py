@@ -5,7 +5,6 @@ it must not be, and nothing waits longer than its timeout."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import multiprocessing
 import os
 import signal
@@ -28,9 +27,10 @@ from kv_helpers import (
 from tandem.kvtransfer.agent import SinkInfo, State, TransferAgent
 from tandem.kvtransfer.connector import Frame, TransferError, get_connector
 from tandem.kvtransfer.layout import KVLayout, LayoutMismatch
+from tandem.kvtransfer.messages import encode
 from tandem.kvtransfer.sender import KVPush, push
 from tandem.kvtransfer.tcp import TcpConnector, parse_address
-from tandem.kvtransfer.wire import PREFIX, HostStaging, recv_frame, send_frame
+from tandem.kvtransfer.wire import MAGIC, PREFIX, VERSION, HostStaging, recv_frame, send_frame
 
 NUM_BLOCKS = 16
 
@@ -135,10 +135,10 @@ def test_connection_dropped_mid_frame_fails_the_sink(dest: Dest) -> None:
         send_frame(s, Frame(begin), HostStaging())
         accept = recv_frame(s, lambda h: torch.empty(0), HostStaging())
         assert accept is not None and accept.header == {"kind": "accept", "request_id": "r"}
-        header = json.dumps({"kind": "layer", "request_id": "r", "layer": 0,
-                             "dtype": "float32", "shape": list(dest.layout.staging_shape(2))})
-        s.sendall(PREFIX.pack(b"TDKV", 1, len(header), 2 * dest.layout.block_bytes)
-                  + header.encode() + b"\0" * 100)
+        header = encode({"kind": "layer", "request_id": "r", "layer": 0,
+                         "dtype": "float32", "shape": list(dest.layout.staging_shape(2))})
+        s.sendall(PREFIX.pack(MAGIC, VERSION, len(header), 2 * dest.layout.block_bytes)
+                  + header + b"\0" * 100)
     assert _freed(dest)
     assert "closed mid-frame" in (dest.agent.status("r").reason or "")
     assert_unchanged_except(dest.before, dest.caches, [])

@@ -16,6 +16,7 @@ import torch
 from frame_helpers import (
     FRAMES,
     assert_frames_exact,
+    bye,
     numbered_frame,
     push_kv,
     send_frames_and_await_reply,
@@ -66,7 +67,7 @@ def test_a_closed_sender_parks_its_connection_for_the_next(inbox) -> None:  # no
     first = connector.sender(receiver.address)
     first.send(numbered_frame(0, 0))
     assert box.wait(frames=1)
-    receiver.reply(box.frames[0].peer, Frame({"kind": "late"}))  # never read by `first`
+    receiver.reply(box.frames[0].peer, bye(0))  # never read by `first`
     time.sleep(0.1)
     first.close()
     with pytest.raises(TransferError, match="closed"):
@@ -175,7 +176,7 @@ def test_nccl_frames_between_two_gpus() -> None:
         assert all(f.payload is None or f.payload.device == torch.device("cuda:1")
                    for f in box.frames)
         assert_frames_exact(box.frames, 3)
-        receiver.reply(box.frames[0].peer, Frame({"kind": "bye", "sender": 3}))
+        receiver.reply(box.frames[0].peer, bye(3))
         join_all(*procs, timeout=60)
     finally:
         receiver.close()

@@ -23,9 +23,10 @@ from kv_helpers import (
 from tandem.kvtransfer.agent import SinkInfo, State, TransferAgent
 from tandem.kvtransfer.connector import Frame, Sender, TransferError, get_connector
 from tandem.kvtransfer.layout import KVLayout
+from tandem.kvtransfer.messages import encode
 from tandem.kvtransfer.sender import KVPush, push
 from tandem.kvtransfer.tcp import TcpConnector
-from tandem.kvtransfer.wire import PREFIX, HostStaging, recv_frame, send_frame
+from tandem.kvtransfer.wire import MAGIC, PREFIX, VERSION, HostStaging, recv_frame, send_frame
 
 # -- wire framing ------------------------------------------------------------------------
 
@@ -40,15 +41,17 @@ def test_wire_frame_round_trip_bf16() -> None:
     with a, b:
         a.settimeout(5)
         b.settimeout(5)
-        send_frame(a, Frame({"kind": "layer", "layer": 3}, payload), HostStaging())
-        send_frame(a, Frame({"kind": "end"}), HostStaging())
+        send_frame(a, Frame({"kind": "layer", "request_id": "r", "layer": 3}, payload),
+                   HostStaging())
+        send_frame(a, Frame({"kind": "end", "request_id": "r"}), HostStaging())
         got = recv_frame(b, _alloc, HostStaging())
         assert got is not None and got.payload is not None
-        assert got.header == {"kind": "layer", "layer": 3, "dtype": "bfloat16",
-                              "shape": [2, 3, 4, 2, 8]}
+        assert got.header == {"kind": "layer", "request_id": "r", "layer": 3,
+                              "dtype": "bfloat16", "shape": [2, 3, 4, 2, 8]}
         assert torch.equal(got.payload, payload)
         end = recv_frame(b, _alloc, HostStaging())
-        assert end is not None and end.header == {"kind": "end"} and end.payload is None
+        assert end is not None and end.header == {"kind": "end", "request_id": "r"}
+        assert end.payload is None
         a.close()
         assert recv_frame(b, _alloc, HostStaging()) is None  # clean EOF between frames
 
@@ -57,8 +60,9 @@ def test_wire_eof_mid_frame_is_an_error() -> None:
     a, b = socket.socketpair()
     with a, b:
         b.settimeout(5)
-        header = json.dumps({"kind": "layer", "dtype": "float32", "shape": [4]}).encode()
-        a.sendall(PREFIX.pack(b"TDKV", 1, len(header), 16) + header + b"12345678")
+        header = encode({"kind": "layer", "request_id": "r", "layer": 0, "dtype": "float32",
+                         "shape": [4]})
+        a.sendall(PREFIX.pack(MAGIC, VERSION, len(header), 16) + header + b"12345678")
         a.close()
         with pytest.raises(TransferError, match="closed mid-frame"):
             recv_frame(b, _alloc, HostStaging())
@@ -77,7 +81,7 @@ def test_wire_stall_mid_frame_times_out() -> None:
     a, b = socket.socketpair()
     with a, b:
         b.settimeout(0.2)
-        a.sendall(PREFIX.pack(b"TDKV", 1, 10, 0)[:5])
+        a.sendall(PREFIX.pack(MAGIC, VERSION, 10, 0)[:5])
         with pytest.raises(TransferError, match="stalled mid-frame"):
             recv_frame(b, _alloc, HostStaging(), keep_waiting=lambda: True)
 

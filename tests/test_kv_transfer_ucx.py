@@ -19,6 +19,7 @@ pytest.importorskip("ucxx", reason="the ucx connector needs ucxx (pip install uc
 from frame_helpers import (
     FRAMES,
     assert_frames_exact,
+    bye,
     numbered_frame,
     send_frames_and_await_reply,
 )
@@ -85,7 +86,8 @@ def test_a_stalled_receiver_times_the_sender_out() -> None:
     try:
         s = connector.sender(receiver.address)
         s.send(numbered_frame(0, 0))
-        big = Frame({"kind": "t"}, torch.randn(1 << 20))  # rendezvous: needs a posted recv
+        # rendezvous: needs a posted recv
+        big = Frame(numbered_frame(0, 1).header, torch.randn(1 << 20))
         start = time.monotonic()
         with pytest.raises(TransferError, match="timed out"):
             s.send(big)
@@ -108,7 +110,7 @@ def test_receiver_close_fails_the_sender(inbox) -> None:  # noqa: ANN001
     with pytest.raises(TransferError, match="gone"):
         s.poll(5)
     with pytest.raises(TransferError):
-        s.send(Frame({"kind": "t"}, torch.randn(1 << 20)))
+        s.send(Frame(numbered_frame(0, 1).header, torch.randn(1 << 20)))
     assert box.errors == []  # close() is not an error
     s.close()
 
@@ -141,7 +143,7 @@ def test_frames_from_another_process_in_device_memory() -> None:
         assert all(f.payload is None or f.payload.device == torch.device(device)
                    for f in box.frames)
         assert_frames_exact(box.frames, 5)
-        receiver.reply(box.frames[0].peer, Frame({"kind": "bye", "sender": 5}))
+        receiver.reply(box.frames[0].peer, bye(5))
         join_all(proc, timeout=60)
     finally:
         receiver.close()

@@ -1,5 +1,5 @@
 """The model runner's persistent state: table rows follow requests (released at the end,
-grown when a decode node runs more requests than max_num_seqs), and the CPU's packed
+grown when more requests hold one than max_num_seqs), and the CPU's packed
 small-batch GEMMs compute what torch's GEMM does."""
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ def _prompts(n: int) -> list[list[int]]:
     return [[rng.randrange(10, 500) for _ in range(rng.randint(5, 40))] for _ in range(n)]
 
 
-def test_rows_grow_past_max_num_seqs_and_are_released() -> None:
+def test_reserved_requests_wait_for_max_num_seqs_and_rows_are_released() -> None:
     prompts = _prompts(5)
     expected = [o.token_ids for o in LLM("tiny", load_format="dummy").generate(prompts, GREEDY)]
     engine = LLM("tiny", load_format="dummy", max_num_seqs=1).engine
     runner = engine.runner
     assert runner.table.shape[0] == 2  # the null row and one request's
-    # A decode node's reserved requests join the running batch whatever max_num_seqs says.
+    # A decode node's reserved requests hold their blocks but run max_num_seqs at a time.
     for i, p in enumerate(prompts):
         engine.reserve(engine.validate_request(f"r{i}", p, GREEDY))
         assert engine.start_prefill(f"r{i}")
@@ -35,11 +35,28 @@ def test_rows_grow_past_max_num_seqs_and_are_released() -> None:
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
+        assert len(engine.scheduler.running) <= 1
     assert [done[f"r{i}"] for i in range(5)] == expected
-    assert runner.table.shape[0] == 8  # doubled twice: 2 -> 4 -> 8
-    assert not runner._rows and sorted(runner._free_rows) == list(range(1, 8))
+    assert runner.table.shape[0] == 2
+    assert not runner._rows and runner._free_rows == [1]
     # The null block is outside the pool: the KV cache has one block more.
     assert runner.kv_caches[0].shape[1] == engine.block_pool.num_blocks + 1
+
+
+def test_rows_grow_when_more_requests_hold_one_than_max_num_seqs() -> None:
+    """Preempted requests keep their rows while reserved ones run: the table doubles and
+    keeps the rows it had."""
+    engine = LLM("tiny", load_format="dummy", max_num_seqs=1).engine
+    runner = engine.runner
+    reqs = [engine.validate_request(f"r{i}", p, GREEDY) for i, p in enumerate(_prompts(3))]
+    for r in reqs:
+        assert engine.scheduler.kv.allocate(r, r.num_tokens)
+    updates: list[tuple[int, int]] = []
+    rows = [runner._row(r, updates) for r in reqs]
+    assert sorted(rows) == [1, 2, 3] and runner.table.shape[0] == 4
+    for r in reqs:
+        runner.release(r.request_id)
+    assert sorted(runner._free_rows) == [1, 2, 3]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 300])

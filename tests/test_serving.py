@@ -5,6 +5,7 @@ offline engine's, disaggregation visible in the metrics, clear 400s, nothing lea
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -68,6 +69,18 @@ def _idle(url: str) -> bool:
     return all(m[f"tandem:kv_blocks_used:{role}"] == 0 for role in ("prefill", "decode"))
 
 
+def _settled(url: str) -> dict[str, float]:
+    """The metrics once two reads a poll apart (the router reads nodes every second) agree."""
+    last = _metrics(url)
+    for _ in range(20):
+        time.sleep(1.1)
+        now = _metrics(url)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError("the metrics never settled")
+
+
 def _wait(cond, timeout: float = 20.0) -> bool:  # noqa: ANN001
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -118,11 +131,29 @@ def test_completions_equal_the_offline_engine(client: OpenAI, offline: LLM) -> N
     assert streamed == want.text
 
 
+def _streams(url: str) -> dict[str, float]:
+    return {labels["path"]: value for name, labels, value in metric_samples(url)
+            if name == "tandem:router_streams_total"}
+
+
+def test_tokens_come_through_the_decode_nodes_outputs_stream(url: str, client: OpenAI) -> None:
+    """The decode node sends every request's tokens, batched per step, through the
+    router's one Outputs stream, not in a stream per request."""
+    assert _wait(lambda: _metrics(url)["tandem:router_outputs_stream_open:decode"] == 1)
+    before = _streams(url)
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="Count to five:", max_tokens=8, temperature=0, stream=True))
+    after = _streams(url)
+    assert text
+    assert after.get("outputs", 0) - before.get("outputs", 0) == 1
+    assert after.get("call", 0) == before.get("call", 0)
+
+
 def test_the_prompt_is_computed_on_the_prefill_node(url: str, client: OpenAI,
                                                     offline: LLM) -> None:
     """Disaggregation is real: the prompt's tokens are computed on the prefill node,
     none on the decode node, and the KV bytes moved are its blocks' bytes."""
-    before = _metrics(url)
+    before = _settled(url)  # earlier tests' counts all read
     prompt = "A prompt nobody sent before, to count its blocks: " + "zebra " * 40
     num_tokens = len(offline.get_tokenizer().encode(prompt))
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
@@ -152,6 +183,19 @@ def test_the_prompt_is_computed_on_the_prefill_node(url: str, client: OpenAI,
     ({"model": MODEL, "prompt": "hi", "n": 2}, "n", "not supported: n"),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature", "temperature"),
     ({"model": MODEL, "prompt": 5}, "prompt", "prompt"),
+    # What the wire to the nodes cannot carry is a 400 too, never a 500.
+    ({"model": MODEL, "prompt": "hi", "top_k": 2**31}, "top_k", "less than or equal"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 10**12}, "max_tokens", "less than"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2048}, "max_tokens", "context length"),
+    ({"model": MODEL, "prompt": "hi", "seed": 2**70}, "seed", "less than or equal"),
+    (b'{"model": "%s", "prompt": "\\ud800 alone"}' % MODEL.encode(), "prompt", "surrogate"),
+    (b'{"model": "%s", "prompt": "hi", "stop": ["\\udfff"]}' % MODEL.encode(), "stop",
+     "surrogate"),
+    (b'{"model": "x", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None,
+     "nested too deeply"),
+    ({"model": MODEL, "prompt": "hi", "stop": [str(i) for i in range(17)]}, "stop",
+     "at most 16 stop strings"),
+    ({"model": MODEL, "prompt": "hi", "stop": "x" * 257}, "stop", "at most 256 characters"),
 ])
 def test_bad_input_is_a_400_with_the_openai_error(url: str, body, param, text) -> None:  # noqa: ANN001
     status, reply = _post(url, "/v1/completions", body)
@@ -163,10 +207,79 @@ def test_bad_input_is_a_400_with_the_openai_error(url: str, body, param, text) -
         assert error["param"] == param
 
 
+def test_every_error_status_carries_the_openai_error_json(url: str) -> None:
+    def call(method: str, path: str) -> tuple[int, dict]:
+        req = urllib.request.Request(f"{url}{path}", method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    for (method, path), status in ((("GET", "/v1/nothing-here"), 404),
+                                   (("GET", "/v1/completions"), 405)):
+        got, reply = call(method, path)
+        assert got == status, (path, got, reply)
+        assert set(reply["error"]) == {"message", "type", "param", "code"}, reply
+    # A body over the limit (8 MiB by default) is refused from its Content-Length, before
+    # it is read: the headers alone get the answer.
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n" % (9 << 20))
+        response = conn.makefile("rb")
+        assert response.readline().split()[1] == b"413"
+        headers = {}
+        while (line := response.readline().strip()):
+            name, _, value = line.decode().partition(":")
+            headers[name.lower()] = value.strip()
+        reply = json.loads(response.read(int(headers["content-length"])))
+    assert reply["error"]["code"] == "request_too_large"
+
+
+def test_two_clients_with_the_same_request_id_both_complete(url: str, offline: LLM) -> None:
+    """X-Request-Id is echoed back, not used as the request's key: a second stream with
+    the same id runs beside the first and neither is aborted."""
+    prompt = "List some animals:"
+    want = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24))[0].text
+    results: list[tuple[str, str]] = []
+
+    def stream() -> None:
+        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 24,
+                           "temperature": 0, "stream": True}).encode()
+        req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={
+            "Content-Type": "application/json", "X-Request-Id": "same-id"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            echoed = r.headers["X-Request-Id"]
+            text = [json.loads(line[6:])["choices"][0]["text"] for line in r
+                    if line.startswith(b"data: {")]
+        results.append((echoed, "".join(text)))
+
+    threads = [threading.Thread(target=stream) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert results == [("same-id", want)] * 2
+
+
+def test_a_non_streaming_client_that_goes_away_frees_every_block(url: str) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 1000,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises((TimeoutError, urllib.error.URLError)):
+        urllib.request.urlopen(req, timeout=2)  # gives up long before 1,000 tokens
+    assert _wait(lambda: _idle(url)), _metrics(url)
+
+
 def test_bad_chat_input_is_a_400(url: str) -> None:
     for body in ({"model": MODEL, "messages": []},
                  {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]},
-                 {"model": MODEL, "messages": _chat("hi"), "tools": [{"type": "function"}]}):
+                 {"model": MODEL, "messages": _chat("hi"), "tools": [{"type": "function"}]},
+                 {"model": MODEL, "messages": _chat("hi"), "max_completion_tokens": 2**31},
+                 {"model": MODEL, "messages": _chat("hi"), "max_completion_tokens": 2040}):
         status, reply = _post(url, "/v1/chat/completions", body)
         assert status == 400 and "error" in reply, reply
 

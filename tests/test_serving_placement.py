@@ -41,6 +41,21 @@ def test_devices_per_role_and_shared_devices_split_the_memory() -> None:
     assert [n.memory_fraction for n in plan] == [0.4, 0.4]
 
 
+def test_a_node_that_cannot_start_ends_tandem_up_with_a_clear_error() -> None:
+    """No traceback: the node's own error, then tandem up's one line, and exit code 1."""
+    import subprocess
+    import sys
+
+    from serving_helpers import free_port
+
+    out = subprocess.run([sys.executable, "-m", "tandem.cli", "up", *TINY, "--port",
+                          str(free_port()), "--device", "cuda:7"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert "tandem: error: the prefill node exited with code" in out.stderr
+    assert "Traceback" not in out.stderr.split("tandem: error: the prefill node")[1]
+
+
 def test_colocated_plan_has_decode_nodes_only() -> None:
     plan = plan_nodes(up_args("--colocated", "2", "--decode-devices", "cuda:0,cuda:1"))
     assert plan == [NodePlan("decode", "cuda:0", 0.85), NodePlan("decode", "cuda:1", 0.85)]

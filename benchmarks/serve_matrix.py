@@ -1,0 +1,177 @@
+"""Serving configurations against workloads in one run: each `--up` starts `tandem up`
+with its flags, each `--bench` runs `tandem bench serve` against it, and one JSON holds
+every result (sweeps: one result per rate, and the highest rate held at the attainment
+goal). `--plot` draws every sweep of a workload on one figure, a line per configuration.
+
+    python benchmarks/serve_matrix.py \\
+        --common "--device cuda --dtype bfloat16 --model llama-3-8b --load-format dummy \\
+                  --skip-tokenizer-init --max-num-seqs 128" \\
+        --up "1P1D=--connector ipc" --up "colocated 1=--colocated 1" \\
+        --bench "sweep=--num-prompts 96 --random-input-len 1024 --random-output-len 128 \\
+                 --sweep-rates 16,32,48 --goodput ttft:500 tpot:50" \\
+        --json benchmarks/results/serve_sweep.json --plot benchmarks/results/serve_sweep.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from serve_vs_engine import wait_ok  # benchmarks/, beside this script
+
+from tandem.bench.serve import DETAILED
+
+
+def _named(text: str) -> tuple[str, str]:
+    name, sep, flags = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=FLAGS, got {text!r}")
+    return name.strip(), flags
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--up", type=_named, action="append", required=True, metavar="NAME=FLAGS",
+                   help="a configuration: tandem up with these flags (repeat)")
+    p.add_argument("--bench", type=_named, action="append", required=True,
+                   metavar="NAME=FLAGS", help="a workload: tandem bench serve flags (repeat)")
+    p.add_argument("--common", default="", help="flags every tandem up gets, quoted")
+    p.add_argument("--warmup", default="--num-prompts 8 --random-input-len 64 "
+                   "--random-output-len 8 --max-concurrency 4",
+                   help="bench flags of a run thrown away before the workloads "
+                        "(empty: none; default: %(default)s)")
+    p.add_argument("--attainment-goal", type=float, default=0.9,
+                   help="a sweep reports the highest rate at this SLO attainment "
+                        "(default: %(default)s)")
+    p.add_argument("--port", type=int, default=8392, help="(default: %(default)s)")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="keep each tandem up's output here (default: discarded)")
+    p.add_argument("--json", type=Path, default=None, help="write every result here")
+    p.add_argument("--detailed", type=Path, default=None,
+                   help="write every result with its per-request lists here (for plots)")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="sweeps: throughput, p90 TTFT/TPOT and attainment against the rate")
+    p.add_argument("--note", default="", help="said in the JSON: the machine, the tree, ...")
+    return p.parse_args()
+
+
+def bench(url: str, flags: str, out: Path, label: str) -> list[dict[str, Any]]:
+    """One `tandem bench serve` run: its results, one per rate."""
+    argv = [sys.executable, "-m", "tandem.cli", "bench", "serve", "--base-url", url,
+            *shlex.split(flags), "--label", label, "--save-result", "--save-detailed",
+            "--result-dir", str(out), "--disable-tqdm"]
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+    found = sorted(p for p in out.glob(f"{label}-*.json") if "-sweep-" not in p.name)
+    results = [json.loads(p.read_text()) for p in found]
+    for p in out.glob("*.json"):
+        p.unlink()
+    return sorted(results, key=lambda r: float(r["request_rate"]))
+
+
+def summary(result: dict[str, Any]) -> dict[str, Any]:
+    """The result without its per-request lists."""
+    return {k: v for k, v in result.items() if k not in DETAILED and k != "latencies"}
+
+
+def max_rate(results: list[dict[str, Any]], goal: float) -> float | None:
+    """The highest swept rate whose SLO attainment is at least `goal` (None: none is)."""
+    held = [float(r["request_rate"]) for r in results
+            if r.get("slo_attainment") is not None and r["slo_attainment"] >= goal]
+    return max(held) if held else None
+
+
+def stop(up: subprocess.Popen) -> None:
+    """Ctrl-C to `tandem up` and its nodes; killed if they are not gone in a minute."""
+    try:
+        os.killpg(up.pid, signal.SIGINT)
+        up.wait(timeout=60)
+    except ProcessLookupError:  # it had exited
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(up.pid, signal.SIGKILL)
+        up.wait()
+
+
+def run_config(args: argparse.Namespace, name: str, flags: str, tmp: Path
+               ) -> dict[str, list[dict[str, Any]]]:
+    url = f"http://127.0.0.1:{args.port}"
+    log = (open(args.log_dir / f"up_{name.replace(' ', '_')}.log", "w") if args.log_dir
+           else subprocess.DEVNULL)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "up", "--port", str(args.port),
+         *shlex.split(args.common), *shlex.split(flags)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ok(url, up)
+        if args.warmup:
+            bench(url, args.warmup, tmp, "warmup")
+        runs = {}
+        for workload, bench_flags in args.bench:
+            results = bench(url, bench_flags, tmp, "run")
+            runs[workload] = results
+            for r in results:
+                att = r.get("slo_attainment")
+                print(f"{name} / {workload} @ {r['request_rate']} req/s: "
+                      f"{r['output_throughput']:.0f} out tok/s, median TTFT "
+                      f"{r['median_ttft_ms']:.1f} ms, median ITL {r['median_itl_ms']:.2f} ms"
+                      + (f", attainment {att:.1%}" if att is not None else ""), flush=True)
+        return runs
+    finally:
+        stop(up)
+        if log is not subprocess.DEVNULL:
+            log.close()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.log_dir:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    raw: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, flags in args.up:
+            raw[name] = run_config(args, name, flags, Path(tmp))
+    doc: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"), "note": args.note,
+        "commands": {name: f"tandem up {args.common} {flags}".strip() for name, flags in args.up}
+        | {f"bench {w}": f"tandem bench serve {f}" for w, f in args.bench},
+        "runs": {name: {w: [summary(r) for r in rs] for w, rs in runs.items()}
+                 for name, runs in raw.items()},
+        "ttfts_ms": {name: {w: [[t * 1000 for t in r["ttfts"]] for r in rs]
+                            for w, rs in runs.items()} for name, runs in raw.items()},
+    }
+    goal = {}
+    for name, runs in raw.items():
+        for workload, results in runs.items():
+            if len(results) > 1:
+                goal.setdefault(workload, {})[name] = max_rate(results, args.attainment_goal)
+    if goal:
+        doc[f"max_rate_at_{args.attainment_goal:.0%}_attainment"] = goal
+        for workload, rates in goal.items():
+            print(f"{workload}: highest rate at >= {args.attainment_goal:.0%} attainment: "
+                  + ", ".join(f"{n} {r}" for n, r in rates.items()))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1))
+        print(f"wrote {args.json}")
+    if args.detailed:
+        args.detailed.write_text(json.dumps(raw))
+    if args.plot and goal:
+        from tandem.bench.plots import plot_sweep
+
+        for workload in goal:
+            path = args.plot if len(goal) == 1 else args.plot.with_name(
+                f"{args.plot.stem}_{workload}{args.plot.suffix}")
+            plot_sweep({name: raw[name][workload] for name in raw}, path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The cluster secret on node gRPC calls: a node obeys only callers of its cluster.
+
+Every call to a node started with a secret must carry `x-tandem-cluster: <token>` in its
+metadata, the token an HMAC of a fixed context keyed by the secret (so the secret itself
+is never on the wire, and the transfer handshake's proofs, keyed the same way over
+another context, cannot be made from it). A call without it, or with another, ends with
+UNAUTHENTICATED before its handler runs; the check is in constant time.
+
+    server = grpc.server(pool, interceptors=server_interceptors(secret))
+    channel = grpc.aio.insecure_channel(address, interceptors=aio_interceptors(secret))
+    channel = authenticated(grpc.insecure_channel(address), secret)   # synchronous
+
+Plain-text gRPC carries the token as a bearer credential: whoever can read the cluster's
+traffic can replay it. Clusters whose network is not trusted put the node ports behind
+mTLS (a service mesh) as well.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+METADATA_KEY = "x-tandem-cluster"
+CLUSTER_SECRET_ENV = "TANDEM_CLUSTER_SECRET"
+_CONTEXT = b"tandem-node-grpc\0"
+
+
+def read_secret(value: str | None, path: str | None, env: str) -> str | None:
+    """A secret from its flag, else its file (`path`, trailing newline dropped), else the
+    environment variable `env`; None when none is given. An empty secret is an error."""
+    if value is None and path is not None:
+        try:
+            value = Path(path).read_text().rstrip("\r\n")
+        except OSError as exc:
+            raise ValueError(f"cannot read the secret file {path}: {exc.strerror}") from None
+    if value is None:
+        value = os.environ.get(env)
+    if value is not None and not value:
+        raise ValueError(f"an empty secret is not a secret (from {path or env})")
+    return value
+
+
+def token(secret: bytes) -> str:
+    return hmac.new(secret, _CONTEXT, hashlib.sha256).hexdigest()
+
+
+def server_interceptors(secret: bytes | None) -> list[grpc.ServerInterceptor]:
+    return [] if secret is None else [_RequireToken(token(secret))]
+
+
+def aio_interceptors(secret: bytes | None) -> list[grpc.aio.ClientInterceptor]:
+    if secret is None:
+        return []
+    metadata = ((METADATA_KEY, token(secret)),)
+    return [_AioUnaryUnary(metadata), _AioUnaryStream(metadata)]
+
+
+def authenticated(channel: grpc.Channel, secret: bytes | None) -> grpc.Channel:
+    """`channel`, its calls carrying the cluster token (unchanged without a secret)."""
+    if secret is None:
+        return channel
+    return grpc.intercept_channel(channel, _SyncToken(((METADATA_KEY, token(secret)),)))
+
+
+class _RequireToken(grpc.ServerInterceptor):
+    def __init__(self, expected: str) -> None:
+        self._expected = expected.encode()
+
+    def intercept_service(self, continuation: Callable[[Any], grpc.RpcMethodHandler | None],
+                          details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        given = next((v for k, v in details.invocation_metadata or () if k == METADATA_KEY), "")
+        if isinstance(given, str) and hmac.compare_digest(given.encode(), self._expected):
+            return continuation(details)
+        handler = continuation(details)
+        if handler is None:  # an unknown method: UNIMPLEMENTED, as without the check
+            return None
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(_refuse_stream)
+        return grpc.unary_unary_rpc_method_handler(_refuse)
+
+
+def _refuse(_: object, context: grpc.ServicerContext) -> None:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                  "this node obeys only its cluster: a missing or wrong cluster secret")
+
+
+def _refuse_stream(request: object, context: grpc.ServicerContext) -> Any:
+    _refuse(request, context)
+    yield  # unreachable: a generator, as a streaming handler must be
+
+
+def _with_metadata(details: Any, metadata: tuple[tuple[str, str], ...]) -> Any:
+    return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), *metadata))
+
+
+class _AioUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_with_metadata(details, self._metadata), request)
+
+
+class _AioUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any,
+                                     request: Any) -> Any:
+        return await continuation(_with_metadata(details, self._metadata), request)
+
+
+class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(_ClientCallDetails.of(details, self._metadata), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(_ClientCallDetails.of(details, self._metadata), request)
+
+
+class _ClientCallDetails(grpc.ClientCallDetails):
+    """The synchronous API's call details are an interface: this is its one value type."""
+
+    def __init__(self, method: str, timeout: float | None, metadata: Any,
+                 credentials: Any, wait_for_ready: bool | None,
+                 compression: Any) -> None:
+        self.method, self.timeout, self.metadata = method, timeout, metadata
+        self.credentials, self.wait_for_ready, self.compression = (
+            credentials, wait_for_ready, compression)
+
+    @classmethod
+    def of(cls, details: grpc.ClientCallDetails, extra: tuple[tuple[str, str], ...]
+           ) -> _ClientCallDetails:
+        return cls(details.method, details.timeout, tuple(details.metadata or ()) + extra,
+                   details.credentials, getattr(details, "wait_for_ready", None),
+                   getattr(details, "compression", None))
