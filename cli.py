@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--transfer-host", default="127.0.0.1",
                       help="address the KV transfer agent listens on, as prefill nodes "
                            "reach it (default: %(default)s)")
+    node.add_argument("--advertise-host", default=None,
+                      help="the host routers and other nodes reach this node at, when it "
+                           "differs from --host (a pod IP behind 0.0.0.0, say); printed in "
+                           "the ready line (default: --host)")
     node.add_argument("--index", default=None, metavar="URL",
                       help="a shared block-hash index (redis://host:port/db) this node "
                            "publishes its KV blocks to; without it, routers follow the "
@@ -126,7 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--prefill", action="append", metavar="HOST:PORT",
                         help="a prefill node's gRPC address; repeat for several")
     router.add_argument("--decode", action="append", metavar="HOST:PORT",
-                        help="a decode node's gRPC address; repeat for several (one at least)")
+                        help="a decode node's gRPC address; repeat for several")
+    router.add_argument("--node", action="append", metavar="HOST:PORT",
+                        help="a node whose role is read from the node itself; repeat for "
+                             "several (one decode node at least, given by any of the three "
+                             "flags; more can be added later with `tandem ctl nodes add`)")
     _add_router_args(router)
     g = router.add_argument_group("model (for the tokenizer and the chat template)")
     g.add_argument("--model", default=DEFAULT_MODEL,
@@ -181,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(serve)
     serve.set_defaults(func=_bench_serve)
+    from tandem.ctl.main import add_parser as add_ctl
+
+    add_ctl(sub)
     return parser
 
 
@@ -207,6 +218,19 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    choices=["recompute", "fail"],
                    help="when a prefill node or its KV transfer fails: compute the prompt on "
                         "the decode node, or fail the request (default: %(default)s)")
+    g = p.add_argument_group("planner (moves nodes between the pools; see the README's "
+                             "operator page; change it at run time with `tandem ctl planner`)")
+    g.add_argument("--planner", default="off", choices=["off", "slo", "load"],
+                   help="slo: switch a node's role when the prefill pool misses the TTFT "
+                        "target while decode has headroom, or the reverse for ITL; load: the "
+                        "same from queues and KV usage; off (default)")
+    g.add_argument("--planner-advisory", action="store_true",
+                   help="log and list the planner's decisions but switch nothing")
+    g.add_argument("--ttft-target-ms", type=float, default=500.0,
+                   help="the planner's TTFT target, p90 over its window "
+                        "(default: %(default)s)")
+    g.add_argument("--itl-target-ms", type=float, default=50.0,
+                   help="the planner's ITL target, p90 over its window (default: %(default)s)")
     g = p.add_argument_group("limits (each answered with the OpenAI error JSON)")
     g.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes,
                    help="a larger request body gets 413 (default: %(default)s)")

@@ -29,7 +29,7 @@ def run_node(args: argparse.Namespace) -> int:
     service = NodeService(engine, args.role, args.connector, args.transfer_host, index,
                           engine_thread=False,
                           secret=None if secret is None else secret.encode())
-    server, port = serve(service, args.host, args.port)
+    server, port = serve(service, args.host, args.port, args.advertise_host)
     # The engine thread runs Python most of a step and rarely waits: with the default
     # 5 ms switch interval, each hand-off of a token to a gRPC thread could wait that
     # long for the GIL. 0.5 ms bounds it well under a decode step.
@@ -38,7 +38,8 @@ def run_node(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     # One line a launcher waits for: the role, the model and where to reach the node.
     print(f"tandem node ready: role={args.role} model={engine.model_name} "
-          f"grpc={args.host}:{port} transfer={service.decode.address}", flush=True)
+          f"grpc={args.advertise_host or args.host}:{port} "
+          f"transfer={service.decode.address}", flush=True)
     closer = threading.Thread(target=run_until_stopped, args=(server, service, stop),
                               name="node-stop")
     closer.start()

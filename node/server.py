@@ -14,6 +14,7 @@ import functools
 import inspect
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -105,7 +106,9 @@ class NodeService(pb_grpc.NodeServicer):
         self.secret, self.timeouts = secret, timeouts
         self.max_streams, self.max_waiting = max_streams, max_waiting
         self._streams = threading.BoundedSemaphore(max_streams)
-        self.accepting = True
+        self.draining = False  # Drain: no new requests until undrained
+        self._switching = False  # SetRole: draining, then the other role
+        self.loaded_at = time.time()  # the engine came with its weights loaded
         self.loop = EngineLoop(engine, thread=engine_thread)
         caches = engine.runner.kv_caches
         self.layout = KVLayout.of(caches, engine.model_name)
@@ -206,7 +209,7 @@ class NodeService(pb_grpc.NodeServicer):
     @_streaming
     def Outputs(self, request: pb.OutputsRequest, context: grpc.ServicerContext
                 ) -> Iterator[pb.OutputBatch]:
-        self._serving(pb.DECODE, context)
+        self._serving(pb.DECODE, context, new_work=False)  # running requests stream here
         if not request.subscriber:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "subscriber is empty")
         outbox = Outbox(request.subscriber)
@@ -323,7 +326,8 @@ class NodeService(pb_grpc.NodeServicer):
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext
                ) -> pb.HealthReply:
         live = self.loop.liveness(self.timeouts.engine_stall_s)
-        return pb.HealthReply(role=self.role, accepting=self.accepting,
+        return pb.HealthReply(role=self.role, accepting=self.accepting, pid=os.getpid(),
+                              loaded_at=self.loaded_at,
                               model=self.layout.model_id, transfer_address=self.decode.address,
                               layout=convert.layout_to_pb(self.layout),
                               connector=self.connector_name, engine_alive=live.alive,
@@ -359,14 +363,20 @@ class NodeService(pb_grpc.NodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role must be PREFILL or DECODE")
         if request.role == self.role:
             return pb.SetRoleReply(role=self.role, drained=True)
-        self.accepting = False
-        deadline = time.monotonic() + (request.drain_timeout_s or 60.0)
-        while self.loop.call(lambda e: len(e.request_ids)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        drained = not self.loop.call(lambda e: len(e.request_ids))
-        if drained:
-            self.role = request.role
-        self.accepting = True
+        with self._lock:
+            if self._switching:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              "a role switch is already in progress")
+            self._switching = True
+        try:
+            deadline = time.monotonic() + (request.drain_timeout_s or 60.0)
+            while self._num_requests() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            drained = not self._num_requests()
+            if drained:
+                self.role, self.draining = request.role, False
+        finally:
+            self._switching = False
         return pb.SetRoleReply(role=self.role, drained=drained)
 
     @_streaming
@@ -407,11 +417,24 @@ class NodeService(pb_grpc.NodeServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{self.max_waiting} requests wait on this node already")
 
-    def _serving(self, role: int, context: grpc.ServicerContext) -> None:
+    @property
+    def accepting(self) -> bool:
+        return not (self.draining or self._switching)
+
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext
+              ) -> pb.DrainReply:
+        self.draining = request.drain
+        return pb.DrainReply(accepting=self.accepting, num_requests=self._num_requests())
+
+    def _num_requests(self) -> int:
+        return self.loop.call(lambda e: len(e.request_ids)) + len(self._driving)
+
+    def _serving(self, role: int, context: grpc.ServicerContext, new_work: bool = True
+                 ) -> None:
         if self.role != role:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"this node is in the {pb.Role.Name(self.role).lower()} role")
-        if not self.accepting:
+        if new_work and not self.accepting:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is draining")
 
     def _request(self, msg: pb.Request, context: grpc.ServicerContext,
@@ -471,9 +494,10 @@ def _ttl(asked: float, timeouts: Timeouts, context: grpc.ServicerContext) -> flo
     return min(asked, timeouts.max_ttl_s) if asked > 0 else timeouts.reserve_ttl_s
 
 
-def serve(service: NodeService, host: str = "127.0.0.1", port: int = 0
-          ) -> tuple[grpc.Server, int]:
-    """Start the gRPC server for `service`; (the server, its port)."""
+def serve(service: NodeService, host: str = "127.0.0.1", port: int = 0,
+          advertise_host: str | None = None) -> tuple[grpc.Server, int]:
+    """Start the gRPC server for `service`; (the server, its port). Routers know it as
+    `advertise_host` (default: `host`) and that port."""
     threads = service.max_streams + CONTROL_THREADS
     server = grpc.server(futures.ThreadPoolExecutor(threads, thread_name_prefix="node-rpc"),
                          interceptors=auth.server_interceptors(service.secret))
@@ -481,7 +505,7 @@ def serve(service: NodeService, host: str = "127.0.0.1", port: int = 0
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
-    service.events.node_id = f"{host}:{bound}"  # as routers know the node
+    service.events.node_id = f"{advertise_host or host}:{bound}"  # as routers know it
     server.start()
     return server, bound
 

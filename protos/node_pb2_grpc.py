@@ -74,6 +74,11 @@ class NodeStub:
                 request_serializer=tandem_dot_protos_dot_node__pb2.SetRoleRequest.SerializeToString,
                 response_deserializer=tandem_dot_protos_dot_node__pb2.SetRoleReply.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/tandem.node.v1.Node/Drain',
+                request_serializer=tandem_dot_protos_dot_node__pb2.DrainRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_node__pb2.DrainReply.FromString,
+                _registered_method=True)
         self.BlockEvents = channel.unary_stream(
                 '/tandem.node.v1.Node/BlockEvents',
                 request_serializer=tandem_dot_protos_dot_node__pb2.BlockEventsRequest.SerializeToString,
@@ -141,7 +146,16 @@ class NodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetRole(self, request, context):
-        """Drain (finish the running requests, take no new ones), then take `role`.
+        """Drain (finish the running requests, take no new ones), then take `role` and take
+        new requests again; the weights stay loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Either role: take no new requests (they fail with FAILED_PRECONDITION, and Health
+        says accepting=false) while the running ones finish; `drain` false ends it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -197,6 +211,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.SetRole,
                     request_deserializer=tandem_dot_protos_dot_node__pb2.SetRoleRequest.FromString,
                     response_serializer=tandem_dot_protos_dot_node__pb2.SetRoleReply.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=tandem_dot_protos_dot_node__pb2.DrainRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_node__pb2.DrainReply.SerializeToString,
             ),
             'BlockEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.BlockEvents,
@@ -420,6 +439,33 @@ class Node:
             '/tandem.node.v1.Node/SetRole',
             tandem_dot_protos_dot_node__pb2.SetRoleRequest.SerializeToString,
             tandem_dot_protos_dot_node__pb2.SetRoleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.node.v1.Node/Drain',
+            tandem_dot_protos_dot_node__pb2.DrainRequest.SerializeToString,
+            tandem_dot_protos_dot_node__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,11 +33,13 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
 from tandem.node import convert
 from tandem.protos import node_pb2 as pb
+from tandem.router.admin import Operations, add_admin_routes
 from tandem.router.flow import Flow, FlowConfig, StreamBroken
 from tandem.router.guard import RETRY_AFTER_S, Authenticate, ConcurrencyLimit, Credentials
 from tandem.router.index import RouterIndex
 from tandem.router.limits import Limits
 from tandem.router.metrics import RouterMetrics
+from tandem.router.planner import Planner, PlannerSettings
 from tandem.router.pool import Pool
 from tandem.router.protocol import APIError, ChatRequest, CompletionRequest
 
@@ -60,24 +62,32 @@ class RouterSettings:
     limits: Limits = field(default_factory=Limits)
     credentials: Credentials = field(default_factory=Credentials)
     cluster_secret: bytes | None = None  # every call to a node carries it (node/auth.py)
+    nodes: list[str] = field(default_factory=list)  # host:port, role learned from Health
+    planner: PlannerSettings = field(default_factory=PlannerSettings)
 
 
 def create_app(settings: RouterSettings) -> FastAPI:
-    pool = Pool(settings.prefill, settings.decode, settings.cluster_secret)
+    pool = Pool(settings.prefill, settings.decode, settings.cluster_secret, settings.nodes)
     index = RouterIndex(settings.index, pool, settings.model)
     metrics = RouterMetrics(pool, index)
     flow = Flow(pool, settings.flow, metrics, index)
+    ops = Operations(pool)
+    planner = Planner(settings.planner, ops.signals, ops.switch,
+                      on_action=lambda d: metrics.planner_actions.labels(d.from_role,
+                                                                         d.to_role).inc())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await pool.start()
         await index.start()
+        planning = asyncio.create_task(planner.run())
         yield
+        planning.cancel()
         await index.close()
         await pool.close()
 
     app = FastAPI(title="Tandem", lifespan=lifespan)
-    app.state.pool, app.state.metrics = pool, metrics
+    app.state.pool, app.state.metrics, app.state.planner = pool, metrics, planner
     # The last added runs first: a caller without the key takes no concurrency slot.
     app.add_middleware(ConcurrencyLimit, limit=settings.limits.max_concurrent_requests)
     app.add_middleware(Authenticate, credentials=settings.credentials)
@@ -117,11 +127,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         return {"object": "list", "data": [{"id": settings.model, "object": "model",
                                             "created": 0, "owned_by": "tandem"}]}
 
-    @app.get("/admin/v1/nodes")  # behind the admin token (router/guard.py)
-    async def admin_nodes() -> dict[str, Any]:
-        return {"nodes": [{"address": n.address, "role": pb.Role.Name(n.role).lower(),
-                           "healthy": n.healthy, "in_flight": n.in_flight}
-                          for n in pool.nodes]}
+    add_admin_routes(app, ops, planner)  # behind the admin token (router/guard.py)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

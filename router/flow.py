@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -72,6 +73,7 @@ class Flow:
         chunk (no node, a bad request), StreamBroken after it."""
         tried: set[NodeClient] = set()
         last_error = "no decode node is available"
+        began = time.monotonic()
         for _ in range(self.config.max_attempts):
             decode = self.pool.pick_decode(tried)
             if decode is None:
@@ -79,7 +81,7 @@ class Flow:
             tried.add(decode)
             started = False
             try:
-                async for chunk in self._on(decode, request):
+                async for chunk in self._on(decode, request, began):
                     started = True
                     yield chunk
                 return
@@ -100,10 +102,11 @@ class Flow:
         raise APIError(f"no decode node could serve the request ({last_error})", status=503,
                        kind="service_unavailable", code="no_capacity")
 
-    async def _on(self, decode: NodeClient, request: pb.Request
+    async def _on(self, decode: NodeClient, request: pb.Request, began: float
                   ) -> AsyncIterator[pb.GenerateChunk]:
         """One call, decode-first: the decode node reserves the prompt's blocks, has the
-        prefill node picked here compute them (or computes them itself), and streams."""
+        prefill node picked here compute them (or computes them itself), and streams.
+        Its TTFT (since `began`) counts for both nodes, its ITL for the decode node."""
         rid = request.request_id
         prefill = await self._pick_prefill(request)
         touched = [decode] if prefill is None else [decode, prefill]
@@ -118,15 +121,19 @@ class Flow:
         if prefill is not None:
             prefill.in_flight += 1
         try:
-            head = True
+            previous = None
             async for chunk in self._generate(decode, pb.GenerateRequest(request=request,
                                                                          prefill=plan)):
-                if head:
-                    head = False
+                now = time.monotonic()
+                if previous is None:
                     self._count_prefill(rid, chunk, prefill)
+                    self.pool.record_ttft(now - began, decode, prefill)
                     if prefill is not None:
                         prefill.in_flight -= 1
                         prefill = None
+                elif chunk.token_ids:
+                    self.pool.record_itl((now - previous) / len(chunk.token_ids), decode)
+                previous = now
                 yield chunk
                 if chunk.finish_reason:
                     finished = True

@@ -4,8 +4,8 @@ guarded too, and a refusal costs no routing):
 - `Authenticate`: with an API key, every route but `/health` (and `/metrics`, unless
   protected) needs `Authorization: Bearer <key>`; routes under `/admin/` need the admin
   token instead, never the API key, and are closed while no admin token is set. Both are
-  compared in constant time; a refusal is 401 (or 403 for a closed admin API) with the
-  OpenAI error JSON.
+  compared in constant time; a refusal is 401 (403 for a closed admin API, or for the
+  API key sent to it) with the OpenAI error JSON.
 - `ConcurrencyLimit`: at most `limit` completion requests in flight (a stream counts
   until its last byte); more get 429 with `Retry-After`.
 """
@@ -54,7 +54,12 @@ class Authenticate:
             if c.admin_token is None:
                 return APIError("the admin API is closed: start the router with "
                                 "--admin-token", status=403, code="admin_api_closed")
-            return _verify(given, c.admin_token, "admin token")
+            refused = _verify(given, c.admin_token, "admin token")
+            if refused is not None and c.api_key is not None and given is not None and (
+                    hmac.compare_digest(given, c.api_key.encode())):
+                return APIError("the API key does not open the admin API: send the admin "
+                                "token", status=403, code="api_key_not_admin")
+            return refused
         if c.api_key is None or path == "/health" or (
                 path == "/metrics" and not c.protect_metrics):
             return None

@@ -37,7 +37,7 @@ class RouterIndex:
         self.shared = self.url != "memory"
         self.pool, self.model = pool, model
         self.index: BlockIndex | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[NodeClient, asyncio.Task] = {}
         self.lookups = 0
         self.hit_blocks = 0
 
@@ -47,10 +47,22 @@ class RouterIndex:
         self.index = await asyncio.to_thread(get_index, self.url,
                                              layout.model_id if layout else self.model)
         if not self.shared:
-            self._tasks = [asyncio.create_task(self._follow(n)) for n in self.pool.nodes]
+            for node in self.pool.nodes:
+                self.added(node)
+            self.pool.listeners.append(self)
+
+    def added(self, node: NodeClient) -> None:
+        self._tasks[node] = asyncio.create_task(self._follow(node))
+
+    def removed(self, node: NodeClient) -> None:
+        task = self._tasks.pop(node, None)
+        if task is not None:
+            task.cancel()
+        if self.index is not None:
+            self.index.drop(node.address)
 
     async def close(self) -> None:
-        for task in self._tasks:
+        for task in self._tasks.values():
             task.cancel()
         if self.index is not None:
             await asyncio.to_thread(self.index.close)

@@ -25,6 +25,7 @@ from tandem.router.app import RouterSettings, create_app
 from tandem.router.flow import FlowConfig
 from tandem.router.guard import Credentials
 from tandem.router.limits import Limits
+from tandem.router.planner import PlannerSettings
 
 log = logging.getLogger("tandem.router")
 
@@ -40,9 +41,9 @@ def flow_config(args: argparse.Namespace) -> FlowConfig:
 
 
 def router_settings(args: argparse.Namespace, prefill: Sequence[str],
-                    decode: Sequence[str]) -> RouterSettings:
-    if not decode:
-        raise ValueError("at least one --decode node is needed")
+                    decode: Sequence[str], nodes: Sequence[str] = ()) -> RouterSettings:
+    if not decode and not nodes:
+        raise ValueError("at least one --decode node (or --node) is needed")
     src = resolve_model(args.model, args.load_format)
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(src)
     if tokenizer is None and not args.skip_tokenizer_init:
@@ -59,7 +60,13 @@ def router_settings(args: argparse.Namespace, prefill: Sequence[str],
     return RouterSettings(args.served_model_name or args.model, tokenizer, list(prefill),
                           list(decode), flow_config(args), args.max_model_len, args.index,
                           load_model_config(src).vocab_size, limits, credentials,
-                          cluster_secret(args))
+                          cluster_secret(args), list(nodes), planner_settings(args))
+
+
+def planner_settings(args: argparse.Namespace) -> PlannerSettings:
+    return PlannerSettings().updated({
+        "mode": args.planner, "advisory": args.planner_advisory,
+        "ttft_target_ms": args.ttft_target_ms, "itl_target_ms": args.itl_target_ms})
 
 
 def cluster_secret(args: argparse.Namespace) -> bytes | None:
@@ -69,7 +76,8 @@ def cluster_secret(args: argparse.Namespace) -> bytes | None:
 
 def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    app = create_app(router_settings(args, args.prefill or [], args.decode or []))
+    app = create_app(router_settings(args, args.prefill or [], args.decode or [],
+                                     args.node or []))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

@@ -50,6 +50,9 @@ class RouterMetrics:
                                "the request's own call.", ["path"], registry=r)
         self.errors = Counter("tandem:router_request_errors", "Requests that ended in an "
                               "error, by HTTP status.", ["status"], registry=r)
+        self.planner_actions = Counter("tandem:planner_actions", "Role switches the planner "
+                                       "made, by the pool left and the pool joined.",
+                                       ["from", "to"], registry=r)
         r.register(_NodeCollector(pool))
         r.register(_IndexCollector(index))
 

@@ -1,10 +1,17 @@
-"""The router's view of its nodes: a gRPC client per node, its last health and load, and
-the choice of a decode node (KV headroom and running requests, power of two choices)
-and a prefill node (uncached prompt tokens on that node, weighted, plus its queue).
+"""The router's registry of nodes: a gRPC client per node, its role (learned from the
+node, which may switch it in place), its state, its last health and load, what it did
+over the last minutes, and the choice of a decode node (KV headroom and running
+requests, power of two choices) and a prefill node (uncached prompt tokens on that node,
+weighted, plus its queue).
 
-A node is healthy while its Health calls answer and say its engine is alive; a failed
-call marks it down at once (the request retries elsewhere), the next good poll brings it
-back. A node whose Health poll fails also ends the streams this router waits on there.
+Nodes come from the command line and, at run time, from the admin API (`add`, `remove`).
+A node's state:
+- `up`: its Health answers, its engine is alive and it takes new requests;
+- `draining`: it answers but takes no new request (an operator drained it, or it is
+  switching role): its running requests finish;
+- `down`: its Health does not answer, says its engine failed, or a call to it just
+  failed (the request retries elsewhere); the next good poll brings it back.
+A node whose Health poll fails also ends the streams this router waits on there.
 
 Each decode node's generated chunks come through one `Outputs` stream per router
 (`NodeClient.follow_outputs`), batched per engine step, and are handed to each request's
@@ -19,6 +26,7 @@ import random
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
@@ -26,11 +34,13 @@ from tandem.node import auth
 from tandem.node.timeouts import TIMEOUTS
 from tandem.protos import node_pb2 as pb
 from tandem.protos import node_pb2_grpc as pb_grpc
+from tandem.router.window import Rates, Window
 
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # how often each node's health and load are read
 OUTPUTS_RETRY_S = 1.0  # a closed Outputs stream is opened again this long after
+UP, DRAINING, DOWN = "up", "draining", "down"
 
 
 class OutputsClosed:
@@ -40,31 +50,56 @@ class OutputsClosed:
         self.why = why
 
 
+def role_name(role: int) -> str | None:
+    return pb.Role.Name(role).lower() if role != pb.ROLE_UNSPECIFIED else None
+
+
 @dataclass(eq=False)
 class NodeClient:
     address: str  # host:port of its gRPC server
-    role: int  # pb.PREFILL or pb.DECODE, as configured
+    role: int = pb.ROLE_UNSPECIFIED  # what its Health says (the start flag's, until then)
+    secret: bytes | None = None  # the cluster secret its calls carry
     channel: grpc.aio.Channel | None = None  # opened on the event loop that uses it
     stub: pb_grpc.NodeStub = field(init=False)
-    healthy: bool = False
+    reachable: bool = False  # its last poll answered, and no call failed since
     health: pb.HealthReply | None = None
     stats: pb.StatsReply | None = None
     in_flight: int = 0  # requests this router has on it now
+    switching_to: int | None = None  # an admin role switch in progress
     # Decode nodes: this router's Outputs stream there, and the requests it feeds.
     subscriber: str = field(default_factory=lambda: f"router-{uuid.uuid4().hex[:12]}")
     outputs_open: bool = False
     waiting: dict[str, asyncio.Queue] = field(default_factory=dict)
-    secret: bytes | None = None  # the cluster secret its calls carry
+    # Over the last minutes: request latencies (seconds) and the node's token counters.
+    ttft: Window = field(default_factory=Window)
+    itl: Window = field(default_factory=Window)
+    rates: Rates = field(default_factory=Rates)
 
     def open(self) -> None:
         self.channel = grpc.aio.insecure_channel(
             self.address, interceptors=auth.aio_interceptors(self.secret))
         self.stub = pb_grpc.NodeStub(self.channel)
 
+    @property
+    def state(self) -> str:
+        h = self.health
+        if not self.reachable or h is None or not h.engine_alive:
+            return DOWN
+        return UP if h.accepting else DRAINING
+
+    @property
+    def healthy(self) -> bool:
+        """New requests may go here."""
+        return self.state == UP
+
     async def follow_outputs(self) -> None:
-        """Keep this router's Outputs stream open and hand each chunk to its request's
-        queue; when the stream ends, every waiting request gets `OutputsClosed`."""
+        """While the node is in the decode role, keep this router's Outputs stream open
+        and hand each chunk to its request's queue; when the stream ends, every waiting
+        request gets `OutputsClosed`."""
         while True:
+            if self.role != pb.DECODE or not self.reachable:
+                await asyncio.sleep(OUTPUTS_RETRY_S)
+                continue
             why = "the Outputs stream ended"
             try:
                 async for batch in self.stub.Outputs(
@@ -86,16 +121,17 @@ class NodeClient:
 
     @property
     def name(self) -> str:
-        return f"{pb.Role.Name(self.role).lower()}@{self.address}"
+        return f"{role_name(self.role) or 'node'}@{self.address}"
 
     async def poll(self) -> None:
+        before = self.state
         try:
-            self.health = await self.stub.Health(pb.HealthRequest(), timeout=TIMEOUTS.control_s)
+            health = await self.stub.Health(pb.HealthRequest(), timeout=TIMEOUTS.control_s)
             self.stats = await self.stub.Stats(pb.StatsRequest(), timeout=TIMEOUTS.control_s)
         except grpc.aio.AioRpcError as exc:
-            if self.healthy:
+            if before != DOWN:
                 log.warning("%s is down: %s", self.name, exc.details())
-            self.healthy = False
+            self.reachable = False
             # A node that does not answer Health (stopped, partitioned) may keep its
             # streams open without a word: end them here, so none hangs (those before
             # their first token are retried elsewhere).
@@ -103,18 +139,21 @@ class NodeClient:
                 waiting.put_nowait(OutputsClosed(f"{self.name} does not answer: "
                                                  f"{exc.details()}"))
             return
-        h = self.health
-        up = h.role == self.role and h.accepting and h.engine_alive
-        if up and not self.healthy:
-            log.info("%s is up", self.name)
-        elif self.healthy and not h.engine_alive:
-            log.warning("%s is down: its engine is not alive (%s)", self.name, h.engine_error)
-        self.healthy = up
+        if health.role != self.role and self.role != pb.ROLE_UNSPECIFIED:
+            log.info("%s now serves the %s role", self.name, role_name(health.role))
+        self.role, self.health, self.reachable = health.role, health, True
+        s = self.stats
+        self.rates.read((s.prompt_tokens_computed, s.generation_tokens))
+        after = self.state
+        if after != before:
+            why = f": its engine is not alive ({health.engine_error})" if after == DOWN else ""
+            log.log(logging.WARNING if after == DOWN else logging.INFO, "%s is %s%s",
+                    self.name, after, why)
 
     def mark_down(self, why: str) -> None:
-        if self.healthy:
+        if self.reachable:
             log.warning("%s marked down: %s", self.name, why)
-        self.healthy = False
+        self.reachable = False
 
     def load(self) -> float:
         """Lower is better: requests running or waiting here, and how full its KV is."""
@@ -127,33 +166,104 @@ class NodeClient:
         return self.stats.queued_prefill_tokens if self.stats else 0
 
 
+class PoolListener(Protocol):
+    def added(self, node: NodeClient) -> None: ...
+    def removed(self, node: NodeClient) -> None: ...
+
+
 class Pool:
     def __init__(self, prefill: Sequence[str], decode: Sequence[str],
-                 secret: bytes | None = None) -> None:
-        self.prefill = [NodeClient(a, pb.PREFILL, secret=secret) for a in prefill]
-        self.decode = [NodeClient(a, pb.DECODE, secret=secret) for a in decode]
-        self._polls: list[asyncio.Task] = []
-        self._outputs: list[asyncio.Task] = []
+                 secret: bytes | None = None, nodes: Sequence[str] = ()) -> None:
+        """`prefill` and `decode`: nodes expected in that role (their Health has the last
+        word); `nodes`: nodes whose role is learned from their Health."""
+        self.secret = secret
+        self.nodes: list[NodeClient] = (
+            [NodeClient(a, pb.PREFILL, secret) for a in prefill]
+            + [NodeClient(a, pb.DECODE, secret) for a in decode]
+            + [NodeClient(a, pb.ROLE_UNSPECIFIED, secret) for a in nodes])
+        self.listeners: list[PoolListener] = []  # told of each node added or removed
+        self.ttft, self.itl = Window(), Window()  # this router's requests, all nodes
+        self._tasks: dict[NodeClient, list[asyncio.Task]] = {}
 
     @property
-    def nodes(self) -> list[NodeClient]:
-        return self.prefill + self.decode
+    def prefill(self) -> list[NodeClient]:
+        return [n for n in self.nodes if n.role == pb.PREFILL]
+
+    @property
+    def decode(self) -> list[NodeClient]:
+        return [n for n in self.nodes if n.role == pb.DECODE]
+
+    def find(self, address: str) -> NodeClient | None:
+        return next((n for n in self.nodes if n.address == address), None)
 
     async def start(self) -> None:
         for node in self.nodes:
             node.open()
         await self.poll()
-        # One loop per node: a node slow to answer (stopped, partitioned) leaves the
-        # others' health and load fresh.
-        self._polls = [asyncio.create_task(self._poll_forever(n)) for n in self.nodes]
-        self._outputs = [asyncio.create_task(n.follow_outputs()) for n in self.decode]
+        for node in self.nodes:
+            self._watch(node)
 
     async def close(self) -> None:
-        for task in [*self._polls, *self._outputs]:
+        for node in list(self.nodes):
+            await self._forget(node)
+
+    async def add(self, address: str, role: int = pb.ROLE_UNSPECIFIED) -> NodeClient:
+        """A node put in service at run time, once its Health answers. Raises
+        ValueError (already known; a different role than `role`) or LookupError (no
+        answer)."""
+        if self.find(address) is not None:
+            raise ValueError(f"{address} is already a node of this router")
+        node = NodeClient(address, role, self.secret)
+        node.open()
+        await node.poll()
+        try:
+            if not node.reachable:
+                raise LookupError(f"no node answers at {address}")
+            if role not in (pb.ROLE_UNSPECIFIED, node.health.role):
+                raise ValueError(f"{address} is in the {role_name(node.health.role)} role, "
+                                 f"not {role_name(role)}")
+        except (LookupError, ValueError):
+            await node.channel.close()
+            raise
+        if self.find(address) is not None:  # added meanwhile by another call
+            await node.channel.close()
+            raise ValueError(f"{address} is already a node of this router")
+        self.nodes.append(node)
+        self._watch(node)
+        for listener in self.listeners:
+            listener.added(node)
+        log.info("%s added (%s)", node.name, node.state)
+        return node
+
+    async def remove(self, node: NodeClient) -> None:
+        await self._forget(node)
+        log.info("%s removed", node.name)
+
+    async def _forget(self, node: NodeClient) -> None:
+        for task in self._tasks.pop(node, []):
             task.cancel()
-        for node in self.nodes:
-            if node.channel is not None:
-                await node.channel.close()
+        if node in self.nodes:
+            self.nodes.remove(node)
+            for listener in self.listeners:
+                listener.removed(node)
+        if node.channel is not None:
+            await node.channel.close()
+
+    def _watch(self, node: NodeClient) -> None:
+        # One poll loop per node: a node slow to answer (stopped, partitioned) leaves the
+        # others' health and load fresh.
+        self._tasks[node] = [asyncio.create_task(self._poll_forever(node)),
+                             asyncio.create_task(node.follow_outputs())]
+
+    def record_ttft(self, seconds: float, *nodes: NodeClient | None) -> None:
+        self.ttft.add(seconds)
+        for node in nodes:
+            if node is not None:
+                node.ttft.add(seconds)
+
+    def record_itl(self, seconds: float, decode: NodeClient) -> None:
+        self.itl.add(seconds)
+        decode.itl.add(seconds)
 
     async def poll(self) -> None:
         await asyncio.gather(*(node.poll() for node in self.nodes))

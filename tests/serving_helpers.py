@@ -14,11 +14,52 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from redis_server import free_port
 
-__all__ = ["free_port", "metric_samples", "node_address", "start", "stop", "tandem_up",
-           "wait_up"]
+__all__ = ["Cluster", "cluster", "free_port", "metric_samples", "node_address", "start", "stop",
+           "tandem_up", "wait_up"]
+
+CLUSTER_SECRET_ENV = "TANDEM_CLUSTER_SECRET"
+
+
+@dataclass
+class Cluster:
+    url: str
+    prefill: list[subprocess.Popen]
+    decode: list[subprocess.Popen]
+    router: subprocess.Popen
+    addresses: dict[int, str] = field(default_factory=dict)  # pid -> gRPC address
+
+
+@contextlib.contextmanager
+def cluster(prefill: int, decode: int, secret: str, engine: list[str],
+            index: str | None = None, router_flags: list[str] = ()) -> Iterator[Cluster]:
+    """`tandem node` processes and a `tandem router` over them, all with `secret` (from
+    the environment, as a deployment would pass it), until the block ends; stopped even
+    when a test left one of them SIGSTOPped."""
+    os.environ[CLUSTER_SECRET_ENV] = secret  # every process reads it from here
+    indexed = ["--index", index] if index else []
+    nodes = ([start(["node", "--role", "prefill", *engine, *indexed]) for _ in range(prefill)]
+             + [start(["node", "--role", "decode", *engine, *indexed]) for _ in range(decode)])
+    procs = list(nodes)
+    try:
+        addresses = {p.pid: node_address(p) for p in nodes}
+        port = free_port()
+        router = start(["router", "--port", str(port), *indexed, *router_flags,
+                        *[f"--prefill={addresses[p.pid]}" for p in nodes[:prefill]],
+                        *[f"--decode={addresses[p.pid]}" for p in nodes[prefill:]]])
+        procs.append(router)
+        url = f"http://127.0.0.1:{port}"
+        wait_up(url, router, every_node=True)
+        yield Cluster(url, nodes[:prefill], nodes[prefill:], router, addresses)
+    finally:
+        for p in procs:  # a stopped process cannot act on SIGTERM
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGCONT)
+        stop(procs)
+        del os.environ[CLUSTER_SECRET_ENV]
 
 
 def start(args: list[str]) -> subprocess.Popen:

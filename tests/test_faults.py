@@ -18,12 +18,12 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import pytest
 from redis_server import RedisServer
-from serving_helpers import free_port, metric_samples, node_address, start, stop, wait_up
+from serving_helpers import Cluster, cluster, metric_samples
 
 from tandem import LLM, SamplingParams
 from tandem.node import auth
@@ -44,39 +44,11 @@ def _long(i: int) -> str:  # ~700 tokens: a prefill of a second or two on the CP
     return f"Story {i}: tell me about the moon and its phases, please. " * 60
 
 
-@dataclass
-class Cluster:
-    url: str
-    prefill: list[subprocess.Popen]
-    decode: list[subprocess.Popen]
-    router: subprocess.Popen
-    addresses: dict[int, str] = field(default_factory=dict)  # pid -> gRPC address
-
-
 @contextlib.contextmanager
 def _cluster(prefill: int = 1, decode: int = 1, index: str | None = None
              ) -> Iterator[Cluster]:
-    os.environ[auth.CLUSTER_SECRET_ENV] = SECRET  # every process reads it from here
-    indexed = ["--index", index] if index else []
-    nodes = ([start(["node", "--role", "prefill", *ENGINE, *indexed]) for _ in range(prefill)]
-             + [start(["node", "--role", "decode", *ENGINE, *indexed]) for _ in range(decode)])
-    procs = list(nodes)
-    try:
-        addresses = {p.pid: node_address(p) for p in nodes}
-        port = free_port()
-        router = start(["router", "--port", str(port), *indexed,
-                        *[f"--prefill={addresses[p.pid]}" for p in nodes[:prefill]],
-                        *[f"--decode={addresses[p.pid]}" for p in nodes[prefill:]]])
-        procs.append(router)
-        url = f"http://127.0.0.1:{port}"
-        wait_up(url, router, every_node=True)
-        yield Cluster(url, nodes[:prefill], nodes[prefill:], router, addresses)
-    finally:
-        for p in procs:  # a stopped process cannot act on SIGTERM
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGCONT)
-        stop(procs)
-        del os.environ[auth.CLUSTER_SECRET_ENV]
+    with cluster(prefill, decode, SECRET, ENGINE, index) as c:
+        yield c
 
 
 @dataclass

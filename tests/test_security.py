@@ -84,11 +84,13 @@ def test_health_and_metrics_stay_open_and_the_key_opens_the_rest(url: str) -> No
 
 def test_admin_routes_take_the_admin_token_never_the_api_key(url: str) -> None:
     status, answer, _ = _call(url, "/admin/v1/nodes", token=API_KEY)
+    assert status == 403 and answer["error"]["code"] == "api_key_not_admin"
+    status, answer, _ = _call(url, "/admin/v1/nodes", token="not-the-admin-token")
     assert status == 401 and answer["error"]["code"] == "invalid_admin_token"
     status, answer, _ = _call(url, "/admin/v1/nodes", token=ADMIN_TOKEN)
     assert status == 200
     assert sorted(n["role"] for n in answer["nodes"]) == ["decode", "prefill"]
-    assert all(n["healthy"] for n in answer["nodes"])
+    assert all(n["state"] == "up" for n in answer["nodes"])
 
 
 def test_a_node_obeys_only_calls_with_the_cluster_secret(url: str) -> None:
