@@ -12,6 +12,7 @@ gets 409 and changes nothing.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from typing import Any
@@ -24,6 +25,8 @@ from tandem.protos import node_pb2 as pb
 from tandem.router.planner import InvalidSetting, NodeSignals, Planner, Signals
 from tandem.router.pool import DOWN, UP, NodeClient, Pool, role_name
 from tandem.router.protocol import APIError
+
+log = logging.getLogger(__name__)
 
 PREFIX = "/admin/v1"
 LOAD_WINDOW_S = 60.0  # the load a node listing shows: over the last minute
@@ -69,9 +72,11 @@ class Operations:
                 raise APIError(f"{node.name} still has requests after {timeout_s:g}s; "
                                f"nothing was removed (or use force)", status=504,
                                code="drain_timeout")
-        await self.pool.remove(node)
+        self.pool.remove(node)
         if not force:
             await self._drain(node, False, quiet=True)
+        await node.close()
+        log.info("%s removed", node.name)
 
     async def drain(self, node: NodeClient) -> None:
         self._keep_pool(node, "drain")

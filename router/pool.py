@@ -80,6 +80,10 @@ class NodeClient:
             self.address, interceptors=auth.aio_interceptors(self.secret))
         self.stub = pb_grpc.NodeStub(self.channel)
 
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+
     @property
     def state(self) -> str:
         h = self.health
@@ -205,7 +209,8 @@ class Pool:
 
     async def close(self) -> None:
         for node in list(self.nodes):
-            await self._forget(node)
+            self.remove(node)
+            await node.close()
 
     async def add(self, address: str, role: int = pb.ROLE_UNSPECIFIED) -> NodeClient:
         """A node put in service at run time, once its Health answers. Raises
@@ -235,19 +240,15 @@ class Pool:
         log.info("%s added (%s)", node.name, node.state)
         return node
 
-    async def remove(self, node: NodeClient) -> None:
-        await self._forget(node)
-        log.info("%s removed", node.name)
-
-    async def _forget(self, node: NodeClient) -> None:
+    def remove(self, node: NodeClient) -> None:
+        """Nothing more goes to `node` or is read from it; its channel stays open for
+        the caller's last calls (`NodeClient.close`)."""
         for task in self._tasks.pop(node, []):
             task.cancel()
         if node in self.nodes:
             self.nodes.remove(node)
             for listener in self.listeners:
                 listener.removed(node)
-        if node.channel is not None:
-            await node.channel.close()
 
     def _watch(self, node: NodeClient) -> None:
         # One poll loop per node: a node slow to answer (stopped, partitioned) leaves the

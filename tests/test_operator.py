@@ -158,6 +158,23 @@ def test_status_bad_input_and_a_node_added_at_run_time(offline: LLM) -> None:
             assert ttft is not None and 0 < ttft["p50"] <= ttft["p99"] < 60_000
             assert _ctl(c.url, "undrain", decode).returncode == 0
             assert _nodes(c.url)[decode]["state"] == "up"
+
+            # Rebalanced to 2:1 and back, then the fresh node removed (drained first).
+            for want in ((2, 1), (1, 2)):
+                done = _ctl(c.url, "rebalance", "--prefill", str(want[0]),
+                            "--decode", str(want[1]))
+                assert done.returncode == 0, done.stderr
+                roles = [n["role"] for n in _nodes(c.url).values()]
+                assert (roles.count("prefill"), roles.count("decode")) == want
+            fresh_role = _nodes(c.url)[address]["role"]
+            removed = _ctl(c.url, "nodes", "remove", address)
+            assert removed.returncode == (0 if fresh_role == "decode" else 1), removed.stderr
+            if fresh_role == "decode":
+                assert address not in _nodes(c.url)
+                with auth.authenticated(grpc.insecure_channel(address),
+                                        SECRET.encode()) as channel:  # free for another router
+                    assert pb_grpc.NodeStub(channel).Health(pb.HealthRequest(),
+                                                            timeout=10).accepting
         finally:
             stop([fresh])
 
