@@ -109,10 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--transfer-host", default="127.0.0.1",
                       help="address the KV transfer agent listens on, as prefill nodes "
                            "reach it (default: %(default)s)")
+    node.add_argument("--transfer-port", type=int, default=0,
+                      help="port of the KV transfer agent, fixed for a Service or a "
+                           "firewall (the nccl connector's store takes the next one too); "
+                           "0 picks a free one (default: 0)")
     node.add_argument("--advertise-host", default=None,
-                      help="the host routers and other nodes reach this node at, when it "
-                           "differs from --host (a pod IP behind 0.0.0.0, say); printed in "
-                           "the ready line (default: --host)")
+                      help="the host routers and other nodes reach this node at (its gRPC "
+                           "and transfer ports), when it differs from --host and "
+                           "--transfer-host (a pod IP behind 0.0.0.0, say); printed in the "
+                           "ready line (default: --host, and --transfer-host for transfers)")
     node.add_argument("--index", default=None, metavar="URL",
                       help="a shared block-hash index (redis://host:port/db) this node "
                            "publishes its KV blocks to; without it, routers follow the "

@@ -28,12 +28,15 @@ from tandem.node.loop import EngineLoop, Listener
 
 class DecodeRole:
     def __init__(self, loop: EngineLoop, connector: Connector, host: str,
-                 layout: KVLayout, secret: bytes | None = None) -> None:
-        """`secret`: the cluster secret a sender's begin must prove (kvtransfer/auth.py)."""
+                 layout: KVLayout, secret: bytes | None = None, port: int = 0,
+                 advertise_host: str | None = None) -> None:
+        """`secret`: the cluster secret a sender's begin must prove (kvtransfer/auth.py);
+        the transfer agent listens on `host`:`port`, known as `advertise_host`."""
         self.loop, self.layout = loop, layout
         self.connector = connector
         self.agent = TransferAgent(loop.engine.runner.kv_caches, layout, connector,
-                                   self._sink_freed, host, secret=secret)
+                                   self._sink_freed, host, secret=secret, port=port,
+                                   advertise_host=advertise_host)
         self._lock = threading.Lock()
         self._sinks: dict[int, str] = {}  # a sink's first block id -> its request
         self.kv_bytes_received = 0

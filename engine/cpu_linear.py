@@ -7,6 +7,13 @@ count: 30 layers of the [3072, 576] gate/up GEMM at 8 rows, 21 ms -> 12 ms (fp32
 One row too: MKL's matrix-vector product runs on one thread whatever torch's thread count,
 and read SmolLM2's 540 MB at 11 GB/s where the packed GEMM reads them at 16-17 GB/s on the
 2-core machine (47 ms -> 32 ms a token). Prompts (many rows) keep torch's GEMM, as fast there.
+
+oneDNN compiles a primitive for every row count it is given and keeps it in its primitive
+cache (~0.6 MiB of JIT code each for SmolLM2's shapes; ~1,000 held). Given every count up
+to 256 (prefill chunks are any length), a prefill node's RSS grew for hours, ~1 MiB a
+request, towards ~0.7 GiB over its start (and each new count cost a compile). So the
+packed GEMM runs only a fixed set of row counts, `packed_rows`: the rows are padded up to
+the next one (at most a quarter more), and the padding's outputs are dropped.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import torch.nn.functional as F
 
 # Up to this many rows, the packed weight; above it, torch's GEMM (equal at 512 rows).
 _PACKED_MAX_ROWS = 256
+# Row counts up to this run as they are (decode batches); above, rounded up (packed_rows).
+_EXACT_ROWS = 16
 # The attribute on a weight holding its oneDNN packing, made on first use (weights no
 # longer change by then) and dropped with the weight.
 _PACKED = "_tandem_onednn_packed"
@@ -26,6 +35,16 @@ def _can_pack(x: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
+def packed_rows(rows: int) -> int:
+    """The row count the packed GEMM runs `rows` rows as: `rows` up to _EXACT_ROWS, else
+    rounded up to a multiple of a quarter of the power of two below it (20, 24, 28, 32,
+    40, ..., 224, 256), so at most 32 counts up to 256 ever reach oneDNN."""
+    if rows <= _EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 3)
+    return -(-rows // step) * step
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:  # x: [T, in], weight: [out, in] -> [T, out]
     if not _can_pack(x):
@@ -34,4 +53,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if packed is None:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
         setattr(weight, _PACKED, packed)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    rows = x.shape[0]
+    padded = packed_rows(rows)
+    if padded != rows:  # zero rows, whose outputs are dropped: x: [padded, in]
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]

@@ -156,7 +156,11 @@ class TransferAgent:
         reap_interval_s: float = 0.05,
         keep_s: float = 300.0,
         secret: bytes | None = None,
+        port: int = 0,
+        advertise_host: str | None = None,
     ) -> None:
+        """Listens on `host`:`port` (0: a free port); senders are told `advertise_host`
+        (default: `host`) and that port."""
         KVLayout.of(kv_caches, layout.model_id).check(layout)
         self.layout = layout
         self._connector = connector
@@ -166,7 +170,7 @@ class TransferAgent:
         self._num_blocks = self._caches[0].shape[1]
         self._free_blocks, self._on_ready, self._on_failed = free_blocks, on_ready, on_failed
         self._reap_interval_s, self._keep_s = reap_interval_s, keep_s
-        self._secret = secret
+        self._secret, self._advertise_host = secret, advertise_host
         self._sinks: dict[str, _Sink] = {}
         self._owned: set[int] = set()  # block ids of live and ready sinks
         self._buffers = StagingPool()
@@ -183,14 +187,19 @@ class TransferAgent:
                             "tags": self._guard.desc, "layout": layout.to_dict()}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._receiver = connector.receiver(host, self._alloc, self._on_frame, self._on_error)
+        self._receiver = connector.receiver(host, self._alloc, self._on_frame, self._on_error,
+                                            port)
         self._receiver.keep_open_while(self._busy)
         self._reaper = threading.Thread(target=self._reap_loop, name="kv-reaper", daemon=True)
         self._reaper.start()
 
     @property
     def address(self) -> str:
-        return self._receiver.address
+        address = self._receiver.address
+        if self._advertise_host is None:
+            return address
+        scheme, _, rest = address.rpartition("://")
+        return f"{scheme}://{self._advertise_host}:{rest.rpartition(':')[2]}"
 
     # -- the caller's side -------------------------------------------------------------
 

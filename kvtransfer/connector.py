@@ -288,8 +288,10 @@ class Connector(ABC):
         alloc: Allocator,
         on_frame: FrameHandler,
         on_error: ErrorHandler,
+        port: int = 0,
     ) -> Receiver:
-        """Start listening on `host` (a free port is chosen); frames go to `on_frame`."""
+        """Start listening on `host`:`port` (0: a free port is chosen); frames go to
+        `on_frame`."""
 
     @abstractmethod
     def sender(self, address: str, connect_timeout: float = 5.0) -> Sender:

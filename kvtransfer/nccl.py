@@ -128,8 +128,9 @@ class NcclConnector(Connector):
         alloc: Allocator,
         on_frame: FrameHandler,
         on_error: ErrorHandler,
+        port: int = 0,
     ) -> NcclReceiver:
-        return NcclReceiver(self, host, alloc, on_frame, on_error)
+        return NcclReceiver(self, host, alloc, on_frame, on_error, port)
 
     def group(self, store: dist.Store, rank: int, hostname: str) -> PairGroup:
         return PairGroup(
@@ -196,17 +197,18 @@ class NcclReceiver(Receiver):
         alloc: Allocator,
         on_frame: FrameHandler,
         on_error: ErrorHandler,
+        port: int = 0,
     ) -> None:
+        """`port`: the control channel's (0: a free one); the store then takes the next."""
         self._conn = conn
         self._alloc, self._on_frame, self._on_error = alloc, on_frame, on_error
         self._host = host
         # A TCPStore given no socket listens on every interface: bind its socket to
         # `host` ourselves, so the store is reachable only where this receiver is.
         # The store owns the socket from here (it closes it): detached, so Python won't.
-        listening = socket.create_server((host, 0), backlog=128)
-        port = listening.getsockname()[1]
+        listening = socket.create_server((host, port + 1 if port else 0), backlog=128)
         self._store = dist.TCPStore(
-            host, port, is_master=True, wait_for_workers=False,
+            host, listening.getsockname()[1], is_master=True, wait_for_workers=False,
             timeout=timedelta(seconds=conn.setup_timeout), master_listen_fd=listening.detach(),
         )
         self._groups: dict[str, PairGroup] = {}
@@ -216,7 +218,7 @@ class NcclReceiver(Receiver):
         self._lock = threading.Lock()
         self._closed = False
         self._tcp: TcpReceiver = conn._tcp.receiver(
-            host, _no_control_payloads, self._on_control, self._on_lost
+            host, _no_control_payloads, self._on_control, self._on_lost, port
         )
         self._address = _SCHEME + self._tcp.address.removeprefix("tcp://")
 

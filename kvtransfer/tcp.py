@@ -85,9 +85,10 @@ class TcpConnector(Connector):
         alloc: Allocator,
         on_frame: FrameHandler,
         on_error: ErrorHandler,
+        port: int = 0,
     ) -> TcpReceiver:
         return TcpReceiver(host, alloc, on_frame, on_error, self.io_timeout,
-                           self.max_connections, self.idle_timeout_s)
+                           self.max_connections, self.idle_timeout_s, port)
 
     def sender(self, address: str, connect_timeout: float = 5.0) -> TcpSender:
         host, port = parse_address(address)
@@ -130,13 +131,14 @@ class TcpReceiver(Receiver):
         io_timeout: float,
         max_connections: int = 64,
         idle_timeout_s: float = 120.0,
+        port: int = 0,
     ) -> None:
         self._alloc, self._on_frame, self._on_error = alloc, on_frame, on_error
         # A connection's reads wake up at least this often, to notice it went idle.
         self._io_timeout = min(io_timeout, idle_timeout_s)
         self._max_connections, self._idle_timeout_s = max_connections, idle_timeout_s
         self._busy: Callable[[str], bool] = lambda peer: False
-        self._listener = socket.create_server((host, 0), backlog=128)
+        self._listener = socket.create_server((host, port), backlog=128)
         # accept() wakes up this often to notice close(); shutdown() usually wakes it first.
         self._listener.settimeout(0.5)
         self._address = f"{_SCHEME}{host}:{self._listener.getsockname()[1]}"

@@ -182,8 +182,9 @@ class UcxConnector(Connector):
         alloc: Allocator,
         on_frame: FrameHandler,
         on_error: ErrorHandler,
+        port: int = 0,
     ) -> UcxReceiver:
-        return UcxReceiver(self._loop, host, alloc, on_frame, on_error, self.io_timeout)
+        return UcxReceiver(self._loop, host, alloc, on_frame, on_error, self.io_timeout, port)
 
     def sender(self, address: str, connect_timeout: float = 5.0) -> UcxSender:
         host, port = parse_address(address)
@@ -207,6 +208,7 @@ class UcxReceiver(Receiver):
         on_frame: FrameHandler,
         on_error: ErrorHandler,
         io_timeout: float,
+        port: int = 0,
     ) -> None:
         self._ucx = ucx
         self._alloc, self._on_frame, self._on_error = alloc, on_frame, on_error
@@ -216,11 +218,11 @@ class UcxReceiver(Receiver):
         self._closed = False
         self._ids = itertools.count()
         # UCX listens on every interface; `host` is what senders are told to reach.
-        self._listener = ucx.run(self._listen(), 10, "starting a ucx listener")
+        self._listener = ucx.run(self._listen(port), 10, "starting a ucx listener")
         self._address = f"{_SCHEME}{host}:{self._listener.port}"
 
-    async def _listen(self) -> Any:
-        return self._ucx.ucxx.create_listener(self._accept)
+    async def _listen(self, port: int) -> Any:
+        return self._ucx.ucxx.create_listener(self._accept, port=port)
 
     @property
     def address(self) -> str:

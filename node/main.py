@@ -28,7 +28,8 @@ def run_node(args: argparse.Namespace) -> int:
     index = get_index(args.index, engine.model_name) if args.index else None
     service = NodeService(engine, args.role, args.connector, args.transfer_host, index,
                           engine_thread=False,
-                          secret=None if secret is None else secret.encode())
+                          secret=None if secret is None else secret.encode(),
+                          transfer_port=args.transfer_port, advertise_host=args.advertise_host)
     server, port = serve(service, args.host, args.port, args.advertise_host)
     # The engine thread runs Python most of a step and rarely waits: with the default
     # 5 ms switch interval, each hand-off of a token to a gRPC thread could wait that

@@ -92,14 +92,17 @@ class NodeService(pb_grpc.NodeServicer):
                  transfer_host: str = "127.0.0.1", index: BlockIndex | None = None,
                  engine_thread: bool = True, secret: bytes | None = None,
                  timeouts: Timeouts = TIMEOUTS, max_streams: int = MAX_STREAMS,
-                 max_waiting: int = MAX_WAITING, **connector_options: object) -> None:
+                 max_waiting: int = MAX_WAITING, transfer_port: int = 0,
+                 advertise_host: str | None = None, **connector_options: object) -> None:
         """`index`: a shared block-hash index (Redis) this node publishes its blocks to,
         as its address (`serve` sets it); routers also follow `BlockEvents`.
         `engine_thread=False`: the caller runs `self.loop.run()` (on the main thread).
         `secret`: the cluster secret every call here, and every call this node makes to
         a peer, carries (`node/auth.py`); None: calls are not checked. `max_streams`
         streaming calls run at once, `max_waiting` requests wait in the engine; more are
-        refused with RESOURCE_EXHAUSTED (the router tries another node)."""
+        refused with RESOURCE_EXHAUSTED (the router tries another node). The transfer
+        agent listens on `transfer_host`:`transfer_port` (0: a free port); peers are told
+        `advertise_host` (default: `transfer_host`)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
         self.role = ROLES[role]
@@ -114,7 +117,8 @@ class NodeService(pb_grpc.NodeServicer):
         self.layout = KVLayout.of(caches, engine.model_name)
         self.connector_name = connector
         self._connector = get_connector(connector, **connector_options)
-        self.decode = DecodeRole(self.loop, self._connector, transfer_host, self.layout, secret)
+        self.decode = DecodeRole(self.loop, self._connector, transfer_host, self.layout, secret,
+                                 transfer_port, advertise_host)
         self.prefill = PrefillRole(self.loop, self._connector, self.layout, secret=secret)
         self.events = BlockEvents("", index)
         engine.block_pool.on_event = self.events.on_event  # before any request runs

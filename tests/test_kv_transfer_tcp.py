@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -200,6 +201,28 @@ def test_sink_info_crosses_processes_as_a_dict() -> None:
     assert SinkInfo.from_dict(json.loads(json.dumps(sink.to_dict()))) == sink
 
 
+def test_a_fixed_port_and_an_advertised_host() -> None:
+    """A node behind a Service: the agent listens on the port it is given and tells
+    senders the advertised host; a push to that port lands."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    src, dst = make_caches(8, seed=1), make_caches(8, seed=2)
+    layout = KVLayout.of(dst, MODEL)
+    connector = TcpConnector()
+    agent = TransferAgent(dst, layout, connector, lambda ids: None, "127.0.0.1", port=port,
+                          advertise_host="decode-0.tandem.svc")
+    try:
+        assert agent.address == f"tcp://decode-0.tandem.svc:{port}"
+        sink = agent.reserve("r", [3, 5], ttl_s=30)
+        reachable = replace(sink, address=f"tcp://127.0.0.1:{port}")  # as DNS would
+        push(connector, reachable, src, [1, 2], layout)
+        assert agent.wait_ready("r", timeout=10)
+        assert_blocks_equal(dst, [3, 5], src, [1, 2])
+    finally:
+        agent.close()
+
+
 def test_reserve_validates_block_ids() -> None:
     dst = make_caches(8)
     agent = TransferAgent(dst, KVLayout.of(dst, MODEL), TcpConnector(), lambda ids: None)
@@ -246,12 +269,12 @@ class RecordingTcp(TcpConnector):
         super().__init__()
         self.headers: list[dict] = []
 
-    def receiver(self, host, alloc, on_frame, on_error):  # noqa: ANN001, ANN201
+    def receiver(self, host, alloc, on_frame, on_error, port=0):  # noqa: ANN001, ANN201
         def record(frame: Frame) -> None:
             self.headers.append(frame.header)
             on_frame(frame)
 
-        return super().receiver(host, alloc, record, on_error)
+        return super().receiver(host, alloc, record, on_error, port)
 
 
 def test_a_push_sends_planned_messages_each_announced_one_ahead() -> None:
@@ -306,13 +329,13 @@ class PeerRecordingTcp(TcpConnector):
         super().__init__()
         self.begins: list[str | None] = []
 
-    def receiver(self, host, alloc, on_frame, on_error):  # noqa: ANN001, ANN201
+    def receiver(self, host, alloc, on_frame, on_error, port=0):  # noqa: ANN001, ANN201
         def record(frame: Frame) -> None:
             if frame.header.get("kind") == "begin":
                 self.begins.append(frame.peer)
             on_frame(frame)
 
-        return super().receiver(host, alloc, record, on_error)
+        return super().receiver(host, alloc, record, on_error, port)
 
 
 def test_a_connection_is_reused_after_a_clean_transfer_and_only_then() -> None:

@@ -49,7 +49,7 @@ class AllocLog(TcpConnector):
         super().__init__(**options)
         self.allocs: list[tuple[list[int], list[int] | None]] = []
 
-    def receiver(self, host, alloc, on_frame, on_error):  # noqa: ANN001, ANN201
+    def receiver(self, host, alloc, on_frame, on_error, port=0):  # noqa: ANN001, ANN201
         def noted(header: dict[str, Any]) -> torch.Tensor:
             try:
                 out = alloc(header)
@@ -59,7 +59,7 @@ class AllocLog(TcpConnector):
             self.allocs.append((header["shape"], list(out.shape)))
             return out
 
-        return super().receiver(host, noted, on_frame, on_error)
+        return super().receiver(host, noted, on_frame, on_error, port)
 
 
 @dataclass
