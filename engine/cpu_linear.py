@@ -13,7 +13,7 @@ cache (~0.6 MiB of JIT code each for SmolLM2's shapes; ~1,000 held). Given every
 to 256 (prefill chunks are any length), a prefill node's RSS grew for hours, ~1 MiB a
 request, towards ~0.7 GiB over its start (and each new count cost a compile). So the
 packed GEMM runs only a fixed set of row counts, `packed_rows`: the rows are padded up to
-the next one (at most a quarter more), and the padding's outputs are dropped.
+the next one (at most an eighth more), and the padding's outputs are dropped.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ def _can_pack(x: torch.Tensor) -> bool:
 
 def packed_rows(rows: int) -> int:
     """The row count the packed GEMM runs `rows` rows as: `rows` up to _EXACT_ROWS, else
-    rounded up to a multiple of a quarter of the power of two below it (20, 24, 28, 32,
-    40, ..., 224, 256), so at most 32 counts up to 256 ever reach oneDNN."""
+    rounded up to a multiple of an eighth of the power of two below it (18, 20, ..., 32,
+    36, ..., 64, 72, ..., 240, 256): 48 counts up to 256 in all."""
     if rows <= _EXACT_ROWS:
         return rows
-    step = 1 << (rows.bit_length() - 3)
+    step = 1 << (rows.bit_length() - 4)
     return -(-rows // step) * step
 
 

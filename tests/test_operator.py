@@ -5,6 +5,7 @@ gets a clear error and changes nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -179,33 +181,63 @@ def test_status_bad_input_and_a_node_added_at_run_time(offline: LLM) -> None:
             stop([fresh])
 
 
-def test_drain_under_load_loses_no_request(offline: LLM) -> None:
+@contextlib.contextmanager
+def _second_router(c: Cluster, index: str) -> Iterator[str]:
+    """Another router over the cluster's nodes (their roles learned with --node) and
+    its Redis index; its URL."""
+    port = free_port()
+    other = start(["router", "--port", str(port), "--index", index, *ROUTER,
+                   *[f"--node={a}" for a in c.addresses.values()]])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_up(url, other, every_node=True)
+        yield url
+    finally:
+        stop([other])
+
+
+def test_drain_under_load_through_two_routers_loses_no_request(offline: LLM) -> None:
+    """Two routers over the same nodes and Redis index, 16 streams through both: a drain
+    of a busy decode node made through one router lets its streams finish, and neither
+    router sends it anything new (the drain is the node's own); undrain brings it back."""
     prompts = [f"Write a short poem about the number {i}." for i in range(16)]
-    with cluster(1, 2, SECRET, ENGINE, router_flags=ROUTER) as c:
-        outcomes = [Outcome() for _ in prompts]
-        started = [threading.Event() for _ in prompts]
-        threads = [threading.Thread(target=_complete, args=(c.url, p, o, e), daemon=True)
-                   for p, o, e in zip(prompts, outcomes, started)]
-        for t in threads:
-            t.start()
-        assert all(e.wait(120) for e in started)
-        busy = [a for a, n in _nodes(c.url).items() if n["role"] == "decode" and n["in_flight"]]
-        assert busy, "no decode node serves a request"
-        drained = busy[0]
-        done = _ctl(c.url, "drain", drained)
-        assert done.returncode == 0, done.stderr
-        for t in threads:
-            t.join(120)
-        assert [o.error for o in outcomes] == [None] * len(prompts)
-        assert [o.text for o in outcomes] == _want(offline, prompts)
-        # New requests go to the other decode node only.
-        before = _generated(drained)
-        more = [Outcome() for _ in range(3)]
-        for o in more:
-            _complete(c.url, "Say hello.", o)
-        assert [o.error for o in more] == [None] * 3 and _generated(drained) == before
-        assert _ctl(c.url, "undrain", drained).returncode == 0
-        assert _nodes(c.url)[drained]["state"] == "up"
+    redis = RedisServer().start()
+    try:
+        with (cluster(1, 2, SECRET, ENGINE, index=redis.url, router_flags=ROUTER) as c,
+              _second_router(c, redis.url) as url2):
+            assert {a: n["role"] for a, n in _nodes(url2).items()} == {
+                a: n["role"] for a, n in _nodes(c.url).items()}
+            outcomes = [Outcome() for _ in prompts]
+            started = [threading.Event() for _ in prompts]
+            threads = [threading.Thread(target=_complete, args=(u, p, o, e), daemon=True)
+                       for u, p, o, e in zip([c.url, url2] * 8, prompts, outcomes, started)]
+            for t in threads:
+                t.start()
+            assert all(e.wait(120) for e in started)
+            busy = [a for a, n in _nodes(c.url).items()
+                    if n["role"] == "decode" and n["in_flight"]]
+            assert busy, "no decode node serves a request of the first router"
+            drained = busy[0]
+            done = _ctl(c.url, "drain", drained)
+            assert done.returncode == 0, done.stderr
+            deadline = time.monotonic() + 10  # the other router's next poll
+            while _nodes(url2)[drained]["state"] != "draining":
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            for t in threads:
+                t.join(120)
+            assert [o.error for o in outcomes] == [None] * len(prompts)
+            assert [o.text for o in outcomes] == _want(offline, prompts)
+            # New requests, through either router, go to the other decode node only.
+            before = _generated(drained)
+            more = [Outcome() for _ in range(4)]
+            for u, o in zip([c.url, url2] * 2, more):
+                _complete(u, "Say hello.", o)
+            assert [o.error for o in more] == [None] * 4 and _generated(drained) == before
+            assert _ctl(c.url, "undrain", drained).returncode == 0
+            assert _nodes(c.url)[drained]["state"] == "up"
+    finally:
+        redis.close()
 
 
 def test_a_role_switch_under_load_keeps_the_weights_and_loses_no_request(
@@ -350,45 +382,3 @@ def test_the_planner_moves_a_node_to_the_pool_that_needs_it(
             outcomes = chatty.stop()
         assert [o.error for o in outcomes] == [None] * len(outcomes)
         assert back["from"] == "prefill"
-
-
-def test_two_routers_over_the_same_nodes_and_index(offline: LLM) -> None:
-    """A second router over the same nodes (roles learned with --node) and the same Redis
-    index: both serve the offline engine's outputs, concurrently, and a drain made
-    through one is seen by the other (the drain is the node's own)."""
-    prompts = [f"Tell me one thing about the colour number {i}." for i in range(8)]
-    redis = RedisServer().start()
-    try:
-        with cluster(1, 2, SECRET, ENGINE, index=redis.url, router_flags=ROUTER) as c:
-            port = free_port()
-            other = start(["router", "--port", str(port), "--index", redis.url, *ROUTER,
-                           *[f"--node={a}" for a in c.addresses.values()]])
-            try:
-                url2 = f"http://127.0.0.1:{port}"
-                wait_up(url2, other, every_node=True)
-                assert {a: n["role"] for a, n in _nodes(url2).items()} == {
-                    a: n["role"] for a, n in _nodes(c.url).items()}
-                outcomes = [Outcome() for _ in prompts]
-                threads = [threading.Thread(target=_complete, args=(u, p, o), daemon=True)
-                           for u, p, o in zip([c.url, url2] * 4, prompts, outcomes)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join(300)
-                assert [o.error for o in outcomes] == [None] * len(prompts)
-                assert [o.text for o in outcomes] == _want(offline, prompts)
-                drained = _address(c, c.decode[0])
-                assert _ctl(c.url, "drain", drained).returncode == 0
-                deadline = time.monotonic() + 10  # the other router's next poll
-                while _nodes(url2)[drained]["state"] != "draining":
-                    assert time.monotonic() < deadline
-                    time.sleep(0.2)
-                before = _generated(drained)
-                more = [Outcome() for _ in range(2)]
-                for o in more:
-                    _complete(url2, "Say hello.", o)
-                assert [o.error for o in more] == [None, None] and _generated(drained) == before
-            finally:
-                stop([other])
-    finally:
-        redis.close()
