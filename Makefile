@@ -1,5 +1,7 @@
-# The README's two commands: `make run` and `make test`.
-.PHONY: setup run test protos
+# The README's two commands: `make run` and `make test`; the rest are for deployments.
+.PHONY: setup run test protos image compose-up compose-down test-deploy
+
+COMPOSE = .venv/bin/podman-compose -f deploy/compose.yaml --env-file deploy/.env
 
 setup:
 	bash scripts/setup.sh
@@ -12,3 +14,19 @@ test: setup
 
 protos: setup
 	.venv/bin/python -m tandem.protos.generate
+
+# The CPU image (and on a machine with no registry, the base and Redis images too).
+image: setup
+	bash deploy/build.sh all
+
+# The compose stack on this machine: the router on 127.0.0.1:8000, secrets in deploy/.env.
+compose-up: image
+	$(COMPOSE) up -d
+	@echo "router: http://127.0.0.1:$$(grep '^TANDEM_PORT=' deploy/.env | cut -d= -f2)/v1 (API key: TANDEM_API_KEY in deploy/.env)"
+
+compose-down:
+	$(COMPOSE) down
+
+# The container tests: the image, the compose stack and the Helm chart.
+test-deploy: setup
+	bash scripts/test.sh -m deploy

@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "and transfer ports), when it differs from --host and "
                            "--transfer-host (a pod IP behind 0.0.0.0, say); printed in the "
                            "ready line (default: --host, and --transfer-host for transfers)")
+    node.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                      help="on SIGTERM, take no new requests and let running ones finish "
+                           "for up to this long before stopping (give a pod's "
+                           "terminationGracePeriodSeconds more); 0 stops at once "
+                           "(default: 30)")
     node.add_argument("--index", default=None, metavar="URL",
                       help="a shared block-hash index (redis://host:port/db) this node "
                            "publishes its KV blocks to; without it, routers follow the "

@@ -41,14 +41,16 @@ def run_node(args: argparse.Namespace) -> int:
     print(f"tandem node ready: role={args.role} model={engine.model_name} "
           f"grpc={args.advertise_host or args.host}:{port} "
           f"transfer={service.decode.address}", flush=True)
-    closer = threading.Thread(target=run_until_stopped, args=(server, service, stop),
-                              name="node-stop")
+    # SIGTERM (a pod's termination, tandem up's stop) drains first; Ctrl-C stops at once.
+    drain_s = [args.drain_timeout]
+    closer = threading.Thread(target=lambda: run_until_stopped(server, service, stop,
+                                                               drain_s[0]), name="node-stop")
     closer.start()
     try:
         service.loop.run()  # the engine steps on the main thread (see EngineLoop)
     except KeyboardInterrupt:
-        pass
+        drain_s[0] = 0.0
     finally:
         stop.set()
-        closer.join(timeout=60)
+        closer.join(timeout=args.drain_timeout + 60)
     return 0

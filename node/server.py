@@ -374,9 +374,9 @@ class NodeService(pb_grpc.NodeServicer):
             self._switching = True
         try:
             deadline = time.monotonic() + (request.drain_timeout_s or 60.0)
-            while self._num_requests() and time.monotonic() < deadline:
+            while self.num_requests() and time.monotonic() < deadline:
                 time.sleep(0.05)
-            drained = not self._num_requests()
+            drained = not self.num_requests()
             if drained:
                 self.role, self.draining = request.role, False
         finally:
@@ -428,9 +428,9 @@ class NodeService(pb_grpc.NodeServicer):
     def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext
               ) -> pb.DrainReply:
         self.draining = request.drain
-        return pb.DrainReply(accepting=self.accepting, num_requests=self._num_requests())
+        return pb.DrainReply(accepting=self.accepting, num_requests=self.num_requests())
 
-    def _num_requests(self) -> int:
+    def num_requests(self) -> int:
         return self.loop.call(lambda e: len(e.request_ids)) + len(self._driving)
 
     def _serving(self, role: int, context: grpc.ServicerContext, new_work: bool = True
@@ -515,9 +515,30 @@ def serve(service: NodeService, host: str = "127.0.0.1", port: int = 0,
 
 
 def run_until_stopped(server: grpc.Server, service: NodeService,
-                      stop: threading.Event | None = None) -> None:
+                      stop: threading.Event | None = None, drain_timeout_s: float = 0.0
+                      ) -> None:
+    """Serve until `stop` is set; then drain: take no new work (Health says draining, so
+    routers send none) and let what runs finish, for up to `drain_timeout_s`, before the
+    server stops and the rest is cut."""
     try:
         (stop or threading.Event()).wait()
+        if drain_timeout_s > 0:
+            drain(service, drain_timeout_s)
     finally:
         server.stop(grace=5).wait()
         service.close()
+
+
+def drain(service: NodeService, timeout_s: float) -> bool:
+    """Stop taking work and wait until no request is left, or `timeout_s` passed;
+    True when none is left."""
+    service.draining = True
+    deadline = time.monotonic() + timeout_s
+    log = logging.getLogger("tandem.node")
+    while (left := service.num_requests()) and time.monotonic() < deadline:
+        log.info("draining: %d request(s) left", left)
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    left = service.num_requests()
+    if left:
+        log.warning("drain timed out: %d request(s) cut", left)
+    return not left
