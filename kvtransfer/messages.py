@@ -43,7 +43,7 @@ _SCALARS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     END: (("request_id",), ()),
     DONE: (("request_id",), ()),
     ABORT: (("request_id",), ("reason", "error", "auth")),
-    NCCL_HELLO: (("backend",), ()),
+    NCCL_HELLO: (("backend",), ("nonce", "at", "auth")),
     NCCL_WELCOME: (("store_port", "pair"), ()),
 }
 _NESTED = {BEGIN: ("layout", "writer", "next"), LAYER: ("shape", "next")}

@@ -7,7 +7,9 @@ NCCL and gloo can only `recv` into a posted buffer of the right size, so every f
 header, which names the payload's dtype and shape, goes first over TCP; the receiver
 allocates (`alloc(header)`) and posts the matching `recv`. Per connection:
 
-    sender -> nccl_hello {backend}             over tcp, before any caller frame
+    sender -> nccl_hello {backend, proof}      over tcp, before any caller frame; with a
+                                               cluster secret, the proof must hold
+                                               (`auth.HelloCheck`) or nothing is set up
     sender <- nccl_welcome {store_port, pair}  the receiver hosts one TCPStore for all pairs
     both build a 2-rank group under PrefixStore(pair): receiver rank 0, sender rank 1
     nccl only: one byte rank 1 -> 0, so the communicator exists before the first layer
@@ -53,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.kvtransfer.auth import HelloCheck, hello_fields
 from tandem.kvtransfer.connector import (
     Allocator,
     Connector,
@@ -105,7 +108,11 @@ class NcclConnector(Connector):
         io_timeout: float = 30.0,
         setup_timeout: float = 30.0,
         max_idle: int = 2,
+        secret: bytes | None = None,
     ) -> None:
+        """`secret`: the cluster secret; a receiver then sets up a connection (its process
+        group) only for a hello that proves it (`kvtransfer/auth.py`), and senders prove
+        it in theirs."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "nccl" and not dist.is_nccl_available():
@@ -118,6 +125,7 @@ class NcclConnector(Connector):
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
         self.io_timeout, self.setup_timeout = io_timeout, setup_timeout
+        self.secret = secret
         self._tcp = TcpConnector(io_timeout, max_idle=0)  # NcclLink keeps the whole link
         # parked connections per address (0: close at once); see `sender`
         self._idle = IdleConnections(max_idle, NcclLink.drain, NcclLink.close)
@@ -159,7 +167,8 @@ class NcclConnector(Connector):
         except TransferError as exc:
             raise TransferError(f"cannot connect to {address}: {exc.__cause__ or exc}") from exc
         try:
-            control.send(Frame({"kind": HELLO, "backend": self.backend}), connect_timeout)
+            control.send(Frame({"kind": HELLO, "backend": self.backend,
+                                **hello_fields(self.secret)}), connect_timeout)
             welcome = _await_welcome(control, address, connect_timeout)
             host = _host_of(address)
             store = dist.TCPStore(
@@ -212,6 +221,7 @@ class NcclReceiver(Receiver):
             timeout=timedelta(seconds=conn.setup_timeout), master_listen_fd=listening.detach(),
         )
         self._groups: dict[str, PairGroup] = {}
+        self._hello_ok = HelloCheck(conn.secret)
         # Per connection: a receive posted for an announced payload (header, tensor, work);
         # only that connection's thread touches its entry.
         self._ahead: dict[str, tuple[dict[str, Any], torch.Tensor, Any]] = {}
@@ -303,8 +313,12 @@ class NcclReceiver(Receiver):
 
     def _welcome(self, peer: str, header: dict[str, Any]) -> None:
         backend = header.get("backend")
-        if backend != self._conn.backend:
+        why = None
+        if not self._hello_ok(header):
+            why = "hello without a valid proof of the cluster secret"
+        elif backend != self._conn.backend:
             why = f"backend {backend!r} here is {self._conn.backend!r}"
+        if why is not None:
             # No transfer is open yet: the refusal names the handshake as its request.
             self.reply(peer, Frame({"kind": ABORT, "request_id": HELLO, "reason": why}))
             raise TransferError(why)

@@ -217,8 +217,13 @@ class UcxReceiver(Receiver):
         self._lock = threading.Lock()
         self._closed = False
         self._ids = itertools.count()
-        # UCX listens on every interface; `host` is what senders are told to reach.
+        # ucxx's listener takes a port only and listens on every interface; `host` is what
+        # senders are told to reach. Said once, so an operator can fence the port.
         self._listener = ucx.run(self._listen(port), 10, "starting a ucx listener")
+        if host not in ("0.0.0.0", "::", ""):
+            log.warning("the ucx transfer port %d listens on every interface, not only %s "
+                        "(ucxx cannot bind one address): fence it with a firewall or a "
+                        "NetworkPolicy, or use --connector tcp", self._listener.port, host)
         self._address = f"{_SCHEME}{host}:{self._listener.port}"
 
     async def _listen(self, port: int) -> Any:

@@ -116,6 +116,11 @@ class NodeService(pb_grpc.NodeServicer):
         caches = engine.runner.kv_caches
         self.layout = KVLayout.of(caches, engine.model_name)
         self.connector_name = connector
+        if connector == "nccl":  # its hello sets up a process group: proven first
+            connector_options.setdefault("secret", secret)
+            # NCCL between GPUs; on a CPU node the same code runs over gloo.
+            connector_options.setdefault(
+                "backend", "nccl" if engine.runner.device.type == "cuda" else "gloo")
         self._connector = get_connector(connector, **connector_options)
         self.decode = DecodeRole(self.loop, self._connector, transfer_host, self.layout, secret,
                                  transfer_port, advertise_host)

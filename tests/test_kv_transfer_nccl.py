@@ -32,6 +32,7 @@ from kv_helpers import (
     spawn,
 )
 
+from tandem.kvtransfer import auth
 from tandem.kvtransfer.agent import TransferAgent
 from tandem.kvtransfer.connector import Frame, TransferError, get_connector
 from tandem.kvtransfer.layout import KVLayout
@@ -156,6 +157,42 @@ def test_backend_mismatch_is_refused(inbox) -> None:  # noqa: ANN001
     assert box.wait(errors=1, timeout=5)
     assert "backend 'nccl' here is 'gloo'" in str(box.errors[0][1])
     control.close()
+
+
+def test_with_a_cluster_secret_only_a_proven_fresh_hello_gets_a_process_group() -> None:
+    """No group is set up for a hello without the secret's proof, with another secret's,
+    or for a hello copied off the wire; a sender with the secret gets through."""
+    secret = b"cluster-secret"
+    box = Inbox()
+    receiver = _connector(secret=secret, setup_timeout=2).receiver(
+        "127.0.0.1", box.alloc, box.on_frame, box.on_error)
+    address = receiver.address.replace("nccl://", "tcp://")
+
+    def hello(fields: dict[str, Any]) -> dict[str, Any]:
+        control = TcpConnector().sender(address)
+        control.send(Frame({"kind": HELLO, "backend": "gloo", **fields}))
+        reply = control.poll(10)
+        control.close()
+        assert reply is not None
+        return reply.header
+
+    try:
+        fresh = auth.hello_fields(secret)
+        for fields, welcome in (({}, False), (auth.hello_fields(b"another-secret"), False),
+                                (fresh, True), (fresh, False)):  # the last: a replay
+            reply = hello(fields)
+            assert (reply["kind"] != "abort") == welcome, reply
+            if not welcome:
+                assert reply["reason"] == "hello without a valid proof of the cluster secret"
+
+        with pytest.raises(TransferError):
+            _connector().sender(receiver.address, connect_timeout=5).send(numbered_frame(0, 0))
+        proven = _connector(secret=secret).sender(receiver.address)
+        proven.send(numbered_frame(1, 0))
+        assert box.wait(frames=1) and box.frames[0].header["request_id"] == "1"
+        proven.close()
+    finally:
+        receiver.close()
 
 
 # -- NCCL between two GPUs (the lent nvidia-h200-x2) ----------------------------------

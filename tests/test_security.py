@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -91,6 +93,24 @@ def test_admin_routes_take_the_admin_token_never_the_api_key(url: str) -> None:
     assert status == 200
     assert sorted(n["role"] for n in answer["nodes"]) == ["decode", "prefill"]
     assert all(n["state"] == "up" for n in answer["nodes"])
+
+
+def test_tandem_ctl_status_lists_both_nodes_of_tandem_up_with_live_numbers(url: str) -> None:
+    """The operator's first look at `tandem up`: both nodes, up, with the load of the
+    requests just served (generated tokens/s, TTFT over the last minute)."""
+    for _ in range(2):
+        assert _call(url, "/v1/chat/completions", CHAT, API_KEY)[0] == 200
+    env = {**os.environ, "TANDEM_ADMIN_TOKEN": ADMIN_TOKEN}
+    ctl = [sys.executable, "-m", "tandem.cli", "ctl", "--router", url, "status"]
+    table = subprocess.run(ctl, env=env, capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0 and table.stdout.count(" up ") == 2, table.stdout
+    listed = subprocess.run([*ctl, "--json"], env=env, capture_output=True, text=True,
+                            timeout=60)
+    nodes = {n["role"]: n for n in json.loads(listed.stdout)["nodes"]}
+    assert sorted(nodes) == ["decode", "prefill"]
+    assert nodes["decode"]["load"]["generation_tokens_per_s"] > 0
+    assert nodes["prefill"]["load"]["prompt_tokens_per_s"] > 0
+    assert 0 < nodes["decode"]["load"]["ttft_ms"]["p50"] < 60_000
 
 
 def test_a_node_obeys_only_calls_with_the_cluster_secret(url: str) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ from serving_helpers import metric_samples, tandem_up
 
 from tandem import LLM, SamplingParams
 from tandem.cli import build_parser
+from tandem.node.auth import CLUSTER_SECRET_ENV
 from tandem.router.main import NodePlan, plan_nodes
 
 TINY = ["--model", "tiny", "--load-format", "dummy", "--skip-tokenizer-init"]
@@ -75,11 +78,17 @@ def test_inconsistent_plans_are_refused(flags: list[str], message: str) -> None:
 # --- real clusters ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[["--colocated", "1"], ["--prefill", "2"]],
-                ids=["colocated", "2P1D"])
+@pytest.fixture(scope="module", params=[["--colocated", "1"], ["--prefill", "2"],
+                                        ["--connector", "nccl"]],
+                ids=["colocated", "2P1D", "1P1D-nccl"])
 def cluster(request: pytest.FixtureRequest) -> Iterator[tuple[str, list[str]]]:
-    with tandem_up([*TINY, *request.param]) as (url, _, _):
-        yield url, request.param
+    # With a cluster secret, as a deployment runs: nccl's hello must prove it too.
+    os.environ[CLUSTER_SECRET_ENV] = "placement-secret"
+    try:
+        with tandem_up([*TINY, *request.param]) as (url, _, _):
+            yield url, request.param
+    finally:
+        del os.environ[CLUSTER_SECRET_ENV]
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +110,8 @@ def test_token_ids_in_token_ids_out_equal_the_offline_engine(cluster, offline: L
     url, flags = cluster
     with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
         roles = sorted(name.split("@")[0] for name in json.loads(r.read())["nodes"])
-    assert roles == (["decode"] if "--colocated" in flags else ["decode", "prefill", "prefill"])
+    prefill = 0 if "--colocated" in flags else 2 if "--prefill" in flags else 1
+    assert roles == ["decode"] + ["prefill"] * prefill
     prompts = [[5, 17, 99, 3, 250, 41, 7], list(range(100, 140))]
     for prompt in prompts:
         want = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12,
@@ -115,8 +125,17 @@ def test_token_ids_in_token_ids_out_equal_the_offline_engine(cluster, offline: L
         assert got["usage"]["completion_tokens"] == 12
     local = sum(v for name, labels, v in metric_samples(url)
                 if name == "tandem:router_requests_total" and labels.get("pool") == "decode-local")
-    # Colocated: no prefill pool, the decode node computed every prompt; 2P1D: none.
+    # Colocated: no prefill pool, the decode node computed every prompt; else none, and
+    # their KV came over the connector (nccl: over gloo, its hello proving the secret).
     assert local == (len(prompts) if "--colocated" in flags else 0)
+    def received() -> float:  # as of the router's last Stats poll of the decode node
+        return sum(v for name, _, v in metric_samples(url)
+                   if name == "tandem:kv_transfer_bytes_received_total")
+
+    deadline = time.monotonic() + 10
+    while prefill and not received() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (received() > 0) == (prefill > 0)
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
