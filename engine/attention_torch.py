@@ -44,5 +44,5 @@ class TorchAttention(AttentionBackend):
         store_kv_ref(k, v, kv_cache, state.slots)
         return paged_attention_ref(
             q, kv_cache, state.meta.block_tables, state.seq_lens, state.query_start, scale,
-            state.decode,
+            state.decode, k, v,
         )

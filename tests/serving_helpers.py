@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -63,9 +64,20 @@ def cluster(prefill: int, decode: int, secret: str, engine: list[str],
 
 
 def start(args: list[str]) -> subprocess.Popen:
-    """`tandem <args>` in a new process group; its stdout piped, for `node_address`."""
-    return subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    """`tandem <args>` in a new process group; its stdout piped, for `node_address`; its
+    stderr in a file (a pipe nobody reads would fill and block it), for failures."""
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], stdout=subprocess.PIPE,
+                            stderr=log, text=True, start_new_session=True)
+    proc.stderr_log = log  # closed with the object
+    return proc
+
+
+def stderr_tail(proc: subprocess.Popen, chars: int = 3000) -> str:
+    """The end of what a `start`ed process wrote to stderr."""
+    log = proc.stderr_log
+    log.seek(0)
+    return log.read()[-chars:]
 
 
 def node_address(proc: subprocess.Popen) -> str:
@@ -74,7 +86,8 @@ def node_address(proc: subprocess.Popen) -> str:
     for line in proc.stdout:
         if m := re.search(r"tandem node ready: .* grpc=(\S+)", line):
             return m.group(1)
-    raise AssertionError(f"the node exited with {proc.wait()} before it was ready")
+    raise AssertionError(f"the node exited with {proc.wait()} before it was ready; "
+                         f"its stderr ends:\n{stderr_tail(proc)}")
 
 
 def wait_up(url: str, router: subprocess.Popen, every_node: bool = False,
