@@ -53,6 +53,9 @@ def parse_args() -> argparse.Namespace:
                    help="a sweep reports the highest rate at this SLO attainment "
                         "(default: %(default)s)")
     p.add_argument("--port", type=int, default=8392, help="(default: %(default)s)")
+    p.add_argument("--bench-timeout", type=float, default=3600,
+                   help="seconds one tandem bench serve run (a whole sweep) may take "
+                        "(default: %(default)s)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="keep each tandem up's output here (default: discarded)")
     p.add_argument("--json", type=Path, default=None, help="write every result here")
@@ -64,12 +67,13 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def bench(url: str, flags: str, out: Path, label: str) -> list[dict[str, Any]]:
-    """One `tandem bench serve` run: its results, one per rate."""
+def bench(url: str, flags: str, out: Path, label: str, timeout_s: float | None = None
+          ) -> list[dict[str, Any]]:
+    """One `tandem bench serve` run: its results, one per rate (killed after `timeout_s`)."""
     argv = [sys.executable, "-m", "tandem.cli", "bench", "serve", "--base-url", url,
             *shlex.split(flags), "--label", label, "--save-result", "--save-detailed",
             "--result-dir", str(out), "--disable-tqdm"]
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, timeout=timeout_s)
     found = sorted(p for p in out.glob(f"{label}-*.json") if "-sweep-" not in p.name)
     results = [json.loads(p.read_text()) for p in found]
     for p in out.glob("*.json"):
@@ -103,6 +107,9 @@ def stop(up: subprocess.Popen) -> None:
 
 def run_config(args: argparse.Namespace, name: str, flags: str, tmp: Path
                ) -> dict[str, list[dict[str, Any]]]:
+    """`tandem up` with `args.common` and `flags`, `args.warmup`, then each workload of
+    `args.bench` against it: its results by workload. The cluster is stopped however
+    this ends."""
     url = f"http://127.0.0.1:{args.port}"
     log = (open(args.log_dir / f"up_{name.replace(' ', '_')}.log", "w") if args.log_dir
            else subprocess.DEVNULL)
@@ -113,10 +120,10 @@ def run_config(args: argparse.Namespace, name: str, flags: str, tmp: Path
     try:
         wait_ok(url, up)
         if args.warmup:
-            bench(url, args.warmup, tmp, "warmup")
+            bench(url, args.warmup, tmp, "warmup", args.bench_timeout)
         runs = {}
         for workload, bench_flags in args.bench:
-            results = bench(url, bench_flags, tmp, "run")
+            results = bench(url, bench_flags, tmp, "run", args.bench_timeout)
             runs[workload] = results
             for r in results:
                 att = r.get("slo_attainment")
@@ -129,6 +136,18 @@ def run_config(args: argparse.Namespace, name: str, flags: str, tmp: Path
         stop(up)
         if log is not subprocess.DEVNULL:
             log.close()
+
+
+def plot_workloads(raw: dict[str, dict[str, list[dict[str, Any]]]], workloads: list[str],
+                   path: Path) -> None:
+    """One sweep figure per workload, a line per configuration: `path` itself for one
+    workload, else `path` with the workload's name appended to its stem."""
+    from tandem.bench.plots import plot_sweep
+
+    for workload in workloads:
+        out = path if len(workloads) == 1 else path.with_name(
+            f"{path.stem}_{workload}{path.suffix}")
+        plot_sweep({name: runs[workload] for name, runs in raw.items()}, out)
 
 
 def main() -> None:
@@ -165,12 +184,7 @@ def main() -> None:
     if args.detailed:
         args.detailed.write_text(json.dumps(raw))
     if args.plot and goal:
-        from tandem.bench.plots import plot_sweep
-
-        for workload in goal:
-            path = args.plot if len(goal) == 1 else args.plot.with_name(
-                f"{args.plot.stem}_{workload}{args.plot.suffix}")
-            plot_sweep({name: raw[name][workload] for name in raw}, path)
+        plot_workloads(raw, list(goal), args.plot)
 
 
 if __name__ == "__main__":
