@@ -2,9 +2,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import deploy_build
 import pytest
 
 from tandem.engine.loader import ModelSource, resolve_model
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The compose stack's image builds in the background from here on when its test is
+    to run (tests/deploy_build.py)."""
+    if deploy_build.can_build() and any(
+            item.get_closest_marker("deploy") for item in session.items):
+        deploy_build.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    deploy_build.stop()
 
 
 @pytest.fixture(scope="session")
