@@ -4,9 +4,15 @@ MKL's GEMM repacks W on every call, and with 1-64 rows that repacking, not the
 arithmetic, is the cost: SmolLM2's fused MLP GEMMs at 8 rows ran at ~40 GFLOP/s on the
 2-core machine. oneDNN can pack W once into its blocked layout and reuse it for any row
 count: 30 layers of the [3072, 576] gate/up GEMM at 8 rows, 21 ms -> 12 ms (fp32, 2 cores).
-One row too: MKL's matrix-vector product runs on one thread whatever torch's thread count,
-and read SmolLM2's 540 MB at 11 GB/s where the packed GEMM reads them at 16-17 GB/s on the
-2-core machine (47 ms -> 32 ms a token). Prompts (many rows) keep torch's GEMM, as fast there.
+Prompts (many rows) keep torch's GEMM, as fast there.
+
+For one row it depends on the machine. MKL's matrix-vector product runs on MKL's own
+threads, by default one a physical core. Where it ran on one thread while torch had two,
+it read SmolLM2's 540 MB at 11 GB/s, where the packed GEMM read them at 16-17 GB/s (47 ms
+-> 32 ms a token). Where MKL has every thread torch has (a 2-core Xeon with AVX-512) it
+beats the packed GEMM: SmolLM2's weights at one row in 20.8 ms against 28.0; at two rows
+by less, at four it loses. So one row goes to MKL exactly when MKL has every thread
+(`mkl_rows`).
 
 oneDNN compiles a primitive for every row count it is given and keeps it in its primitive
 cache (~0.6 MiB of JIT code each for SmolLM2's shapes; ~1,000 held). Given every count up
@@ -18,8 +24,13 @@ the next one (at most an eighth more), and the padding's outputs are dropped.
 
 from __future__ import annotations
 
+import logging
+import re
+
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 # Up to this many rows, the packed weight; above it, torch's GEMM (equal at 512 rows).
 _PACKED_MAX_ROWS = 256
@@ -30,8 +41,35 @@ _EXACT_ROWS = 16
 _PACKED = "_tandem_onednn_packed"
 
 
+class _Choice:
+    """Up to `mkl_rows` rows, torch's GEMM (MKL); chosen for `threads` torch threads."""
+
+    mkl_rows = 0
+    threads: int | None = None
+
+
+def _mkl_threads() -> int:
+    """The threads MKL runs on (torch reports it; 0 if it does not say). MKL takes one a
+    physical core, so a machine of two hyperthreads on one core gives it one."""
+    found = re.search(r"mkl_get_max_threads\(\) : (\d+)", torch.__config__.parallel_info())
+    return int(found.group(1)) if found else 0
+
+
+def mkl_rows() -> int:
+    """Up to this many rows `linear` runs torch's GEMM (MKL): one row when MKL has every
+    thread torch has, none otherwise. Decided from the machine, not timed, so every
+    process on it decides alike (timings taken while two nodes start at once are noise)."""
+    threads = torch.get_num_threads()
+    if _Choice.threads != threads:
+        _Choice.mkl_rows = int(_mkl_threads() >= threads)
+        _Choice.threads = threads
+        log.info("cpu GEMM at one row: %s (MKL has %d threads, torch %d)",
+                 "MKL" if _Choice.mkl_rows else "the packed weight", _mkl_threads(), threads)
+    return _Choice.mkl_rows
+
+
 def _can_pack(x: torch.Tensor) -> bool:
-    return (x.dtype == torch.float32 and x.shape[0] <= _PACKED_MAX_ROWS
+    return (x.dtype == torch.float32 and mkl_rows() < x.shape[0] <= _PACKED_MAX_ROWS
             and torch.backends.mkldnn.is_available())
 
 

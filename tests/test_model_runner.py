@@ -5,12 +5,13 @@ small-batch GEMMs compute what torch's GEMM does."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.engine.cpu_linear import linear
+from tandem.engine.cpu_linear import linear, mkl_rows
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -70,3 +71,20 @@ def test_cpu_linear_matches_torch(rows: int) -> None:
         torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b),
                                    rtol=1e-5, atol=1e-5)
         assert linear(x, weight, b).equal(got)  # the packed weight, reused
+
+
+def test_one_row_goes_to_mkl_exactly_when_mkl_has_every_thread() -> None:
+    """`mkl_rows` is 1 when MKL runs on as many threads as torch (torch's own report),
+    else 0; rows up to it give torch's GEMM's very bits, rows above the packed weight's
+    (equal to within rounding)."""
+    found = re.search(r"mkl_get_max_threads\(\) : (\d+)", torch.__config__.parallel_info())
+    assert found, "torch no longer reports MKL's threads"
+    assert mkl_rows() == int(int(found.group(1)) >= torch.get_num_threads())
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(192, 64, generator=g)
+    for rows in range(1, 6):
+        x = torch.randn(rows, 64, generator=g)
+        want, got = torch.nn.functional.linear(x, weight), linear(x, weight)
+        if rows <= mkl_rows():
+            assert got.equal(want)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
