@@ -81,13 +81,9 @@ class DecodeRole:
                 raise TransferError(f"the KV of {rid!r} did not arrive: "
                                     f"{status.reason or status.state.value}")
             self._forget(self.agent.release(rid))
-            self.loop.listen(rid, listener)
-            try:
-                first = self.loop.call(lambda e: e.start_decode(rid, first_token))
-            except BaseException:
-                self.loop.unlisten(rid)
-                raise
-            listener(first)  # delivered here: start_decode's output is no step's
+            # Its first output reaches the listener on the loop thread, before the next
+            # step's: delivered from here, it could come after it.
+            self.loop.start(rid, listener, lambda e: e.start_decode(rid, first_token))
             return
         self.loop.listen(rid, listener)
         try:

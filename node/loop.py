@@ -86,6 +86,21 @@ class EngineLoop:
         with self._lock:
             self._listeners[request_id] = listener
 
+    def start(self, request_id: str, listener: Listener,
+              fn: Callable[[LLMEngine], RequestOutput], timeout: float | None = 60.0) -> None:
+        """`listen(request_id, listener)`, then run `fn` on the loop thread and hand the
+        output it makes to the listener there, as a step's: ahead of the next step's."""
+        def start(engine: LLMEngine) -> None:
+            out = fn(engine)
+            self._deliver(request_id, out, out.finished)
+
+        self.listen(request_id, listener)
+        try:
+            self.call(start, timeout)
+        except BaseException:
+            self.unlisten(request_id)
+            raise
+
     def unlisten(self, request_id: str) -> None:
         with self._lock:
             self._listeners.pop(request_id, None)

@@ -170,6 +170,32 @@ def test_a_shared_prefix_is_not_sent_twice(nodes, prompts, expected):  # noqa: A
     assert len(reserved.sink.block_ids) == 1
 
 
+def test_a_prefilled_request_streams_each_token_once_in_order(nodes, prompts, expected):  # noqa: ANN001
+    """The first output (from `start_decode`, no step's) reaches the listener on the loop
+    thread like every later one: from the caller's thread it could arrive after the next
+    step's, and its chunk would send that step's token again."""
+    prefill, decode = nodes
+    prompt = prompts[-1]
+    request = _request("listened", prompt)
+    reserved = decode.stub.Reserve(pb.ReserveRequest(request=request, ttl_s=30), timeout=30)
+    done = prefill.stub.Prefill(pb.PrefillRequest(request=request, sink=reserved.sink),
+                                timeout=60)
+    service = decode.service
+    req = service.loop.call(lambda e: e.validate_request(
+        "listened", prompt, GREEDY))
+    seen: list[tuple[str, int]] = []
+    finished = threading.Event()
+
+    def listener(out) -> None:  # noqa: ANN001
+        seen.append((threading.current_thread().name, len(out.token_ids)))
+        if out.finished:
+            finished.set()
+
+    service.decode.generate(req, done.first_token, listener)
+    assert finished.wait(60)
+    assert seen == [("engine-loop", n) for n in range(1, NEW_TOKENS + 1)]
+
+
 def test_the_decode_node_can_prefill_itself(nodes, prompts, expected):  # noqa: ANN001
     prefill, decode = nodes
     # With a reservation (the prefill pool skipped or failed), and without one.
