@@ -24,6 +24,7 @@ the next one (at most an eighth more), and the padding's outputs are dropped.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
@@ -41,13 +42,6 @@ _EXACT_ROWS = 16
 _PACKED = "_tandem_onednn_packed"
 
 
-class _Choice:
-    """Up to `mkl_rows` rows, torch's GEMM (MKL); chosen for `threads` torch threads."""
-
-    mkl_rows = 0
-    threads: int | None = None
-
-
 def _mkl_threads() -> int:
     """The threads MKL runs on (torch reports it; 0 if it does not say). MKL takes one a
     physical core, so a machine of two hyperthreads on one core gives it one."""
@@ -59,13 +53,15 @@ def mkl_rows() -> int:
     """Up to this many rows `linear` runs torch's GEMM (MKL): one row when MKL has every
     thread torch has, none otherwise. Decided from the machine, not timed, so every
     process on it decides alike (timings taken while two nodes start at once are noise)."""
-    threads = torch.get_num_threads()
-    if _Choice.threads != threads:
-        _Choice.mkl_rows = int(_mkl_threads() >= threads)
-        _Choice.threads = threads
-        log.info("cpu GEMM at one row: %s (MKL has %d threads, torch %d)",
-                 "MKL" if _Choice.mkl_rows else "the packed weight", _mkl_threads(), threads)
-    return _Choice.mkl_rows
+    return _mkl_rows(torch.get_num_threads())
+
+
+@functools.cache
+def _mkl_rows(threads: int) -> int:
+    mkl = _mkl_threads()
+    log.info("cpu GEMM at one row: %s (MKL has %d threads, torch %d)",
+             "MKL" if mkl >= threads else "the packed weight", mkl, threads)
+    return int(mkl >= threads)
 
 
 def _can_pack(x: torch.Tensor) -> bool:

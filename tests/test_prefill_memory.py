@@ -59,7 +59,7 @@ def test_every_row_count_runs_as_one_of_48_primitives(capfd: pytest.CaptureFixtu
                                                       ) -> None:
     """1..300 rows through one weight: the results are torch's, and oneDNN ran exactly
     the 48 row counts (above 256 rows torch's GEMM runs, no oneDNN primitive; nor up to
-    `mkl_rows`, where an engine built earlier in this process found MKL faster)."""
+    `mkl_rows`, where MKL has every thread torch has)."""
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(72, 40, generator=g), torch.randn(72, generator=g)
     xs = [torch.randn(m, 40, generator=g) for m in range(1, 301)]
