@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "for up to this long before stopping (give a pod's "
                            "terminationGracePeriodSeconds more); 0 stops at once "
                            "(default: 30)")
+    node.add_argument("--max-requests", type=int, default=8192, metavar="N",
+                      help="Generate (decode) or Prefill calls held at once, waiting for "
+                           "KV blocks or running; more are refused with RESOURCE_EXHAUSTED "
+                           "and wait in the router's queue (default: %(default)s)")
     node.add_argument("--index", default=None, metavar="URL",
                       help="a shared block-hash index (redis://host:port/db) this node "
                            "publishes its KV blocks to; without it, routers follow the "
@@ -165,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "healthy, print the URL, and stop all of them on Ctrl-C. Nodes that "
                     "share a CUDA device split --gpu-memory-fraction between them.",
     )
+    up.add_argument("--prefill-share", type=float, default=0.3, metavar="FRACTION",
+                    help="on a CUDA device that holds prefill and decode nodes, the part "
+                         "of --gpu-memory-fraction the prefill nodes take (weights and a "
+                         "KV cache for the prompts being computed); the decode nodes take "
+                         "the rest, for every running request's context "
+                         "(default: %(default)s)")
     up.add_argument("--connector", default="tcp", choices=["tcp", "ucx", "nccl", "ipc"],
                     help="how KV moves from the prefill to the decode node "
                          "(default: %(default)s)")
@@ -252,10 +262,18 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    default=Limits.default_chat_max_tokens,
                    help="tokens a chat request without max_tokens may generate, or fewer if "
                         "the context has less room (default: %(default)s)")
+    g.add_argument("--max-queued-requests", type=int, default=Limits.max_queued_requests,
+                   help="requests that wait in the router's queue while every decode node "
+                        "is at its limit (--max-requests); more get 429 with Retry-After "
+                        "(default: %(default)s)")
+    g.add_argument("--queue-timeout", type=float, default=Limits.queue_timeout_s,
+                   metavar="SECONDS",
+                   help="a request still queued after this long gets 503 with code "
+                        "queue_timeout (default: %(default)s)")
     g.add_argument("--max-concurrent-requests", type=int,
                    default=Limits.max_concurrent_requests,
-                   help="completion requests in flight at once (a stream counts until it "
-                        "ends); more get 429 with Retry-After; 0: no limit "
+                   help="completion requests in flight at once, queued or streaming; more "
+                        "get 429 with Retry-After; 0: no limit but the queue's "
                         "(default: %(default)s)")
     g = p.add_argument_group("authentication (prefer the environment variables or files: "
                              "flags show in the process list)")

@@ -1,29 +1,62 @@
-"""The decode role over one engine: reserve a prompt's blocks, let a prefill node push
-its KV into them (a `TransferAgent` sink), then decode it in the running batch and
-stream the tokens. It can also prefill a prompt itself (conditional disaggregation, or
-the fallback when a transfer failed).
+"""The decode role over one engine. A request's life here is a row of stages; each holds
+the request, frees what it holds when the request ends there, and one thing moves it on:
 
-Per request:
+    prealloc   waits, first come first served, until its prompt's blocks are free: the
+               engine loop reserves them before each step (`_reserve_queued`)
+    transfer   holds its blocks and a sink while a prefill node computes the prompt and
+               pushes its KV: the agent's on_ready / on_failed end the wait (`arrival`)
+    running    in the engine (its batch, or its waiting queue when computed here): its
+               outputs go to its listener on the engine loop's thread
 
-    sink, first_block, cached = role.reserve(req, ttl_s)   # blocks held, sink open
-    ...a prefill node pushes the prompt's KV into the sink...
-    role.generate(req, first_token, listener)               # waits for the KV, decodes
-    role.generate(req, None, listener)                      # or: prefill here
+A reservation takes only free blocks and leaves one for each running request to grow
+into, so a running request is never preempted to make room for a queued one.
 
-A sink that fails (its TTL, an abort, the sender gone) gives its blocks back to the
+`abort(rid)` is the one way a request ends early, in whichever stage holds it: the
+prealloc queue drops it, a sink fails (which gives its blocks back to the engine), the
+engine aborts it. It never blocks its caller: a sink's failure, which may wait for a
+write in flight, runs on a small pool of its own.
+
+A sink that fails (its lease, an abort, the sender gone) gives its blocks back to the
 engine; a reserved request nobody generates is freed with its sink.
 """
 
 from __future__ import annotations
 
-import threading
+import time
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
+from tandem.engine.llm_engine import KVCacheFull, LLMEngine
 from tandem.engine.request import Request
 from tandem.kvtransfer.agent import SinkInfo, TransferAgent
 from tandem.kvtransfer.connector import Connector, TransferError
 from tandem.kvtransfer.layout import KVLayout
 from tandem.node.loop import EngineLoop, Listener
+
+_ABORT_THREADS = 2  # sinks failed at once (each may wait out an ipc write's settle time)
+
+
+class Aborted(Exception):
+    """The request was aborted while it waited for blocks."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    sink: SinkInfo
+    first_block: int  # the first prompt block the sink receives
+    cached_tokens: int  # prompt tokens the prefix cache held
+    queued_s: float  # seconds it waited in the prealloc queue
+    arrival: Future[None]  # done once its KV is in; TransferError once its sink failed
+
+
+@dataclass(eq=False)
+class _Queued:
+    req: Request
+    ttl_s: float
+    reserved: Future[Reservation] = field(default_factory=Future)
+    since: float = field(default_factory=time.monotonic)
 
 
 class DecodeRole:
@@ -35,76 +68,164 @@ class DecodeRole:
         self.loop, self.layout = loop, layout
         self.connector = connector
         self.agent = TransferAgent(loop.engine.runner.kv_caches, layout, connector,
-                                   self._sink_freed, host, secret=secret, port=port,
+                                   self._sink_freed, host, on_ready=self._arrived,
+                                   on_failed=self._lost, secret=secret, port=port,
                                    advertise_host=advertise_host)
-        self._lock = threading.Lock()
+        # The loop thread's: the prealloc queue, and its entries by request.
+        self._prealloc: deque[_Queued] = deque()
+        self._queued: dict[str, _Queued] = {}
+        # Touched on the loop thread (reserve) and the agent's (arrival, freed): each
+        # dict operation is atomic under the GIL, and an entry is set before its sink
+        # opens.
         self._sinks: dict[int, str] = {}  # a sink's first block id -> its request
+        self._arrivals: dict[str, Future[None]] = {}
+        self._aborts = ThreadPoolExecutor(_ABORT_THREADS, thread_name_prefix="sink-abort")
         self.kv_bytes_received = 0
         self.transfers_failed = 0
+        loop.add_stage(self._reserve_queued)
 
     @property
     def address(self) -> str:
         return self.agent.address
 
-    def reserve(self, req: Request, ttl_s: float) -> tuple[SinkInfo, int, int]:
-        """Hold the blocks of `req`'s prompt and open a sink for those its prefix cache
-        lacks: (the sink, the first prompt block it receives, prompt tokens cached).
-        Raises ValueError for a bad request, RuntimeError when blocks run out."""
-        cached = self.loop.call(lambda e: e.reserve(req))
+    @property
+    def num_queued(self) -> int:
+        """Requests in the prealloc queue (read on any thread: one len())."""
+        return len(self._prealloc)
+
+    # -- prealloc --------------------------------------------------------------------------
+
+    def reserve(self, req: Request, ttl_s: float) -> Future[Reservation]:
+        """Hold `req`'s prompt blocks now and open a sink for those its prefix cache
+        lacks; KVCacheFull (a RuntimeError) when they are not free, ValueError for a bad
+        request."""
+        return self.loop.submit(lambda e: self._reserve_now(e, req, ttl_s, 0, 0.0))
+
+    def enqueue(self, req: Request, ttl_s: float) -> Future[Reservation]:
+        """`reserve`, once its turn comes and the blocks are free. To leave the queue,
+        `abort` it (cancelling the future alone also drops it)."""
+        queued = _Queued(req, ttl_s)
+
+        def join(engine: LLMEngine) -> None:
+            if req.request_id in self._queued or req.request_id in engine.request_ids:
+                raise ValueError(f"request id {req.request_id!r} is already in use")
+            self._prealloc.append(queued)
+            self._queued[req.request_id] = queued
+
+        joined = self.loop.submit(join)
+        joined.add_done_callback(lambda f: _pass_error(f, queued.reserved))
+        return queued.reserved
+
+    def _reserve_queued(self, engine: LLMEngine) -> None:
+        """A loop stage: reserve from the head of the queue while blocks are free."""
+        keep_free = len(engine.scheduler.running)
+        while self._prealloc:
+            queued = self._prealloc[0]
+            if not queued.reserved.cancelled():
+                try:
+                    made = self._reserve_now(engine, queued.req, queued.ttl_s, keep_free,
+                                             time.monotonic() - queued.since)
+                except KVCacheFull:
+                    return  # first come, first served: the rest wait behind it
+                except BaseException as exc:  # noqa: BLE001 - its caller's to handle
+                    _settle(queued.reserved, error=exc)
+                else:
+                    if not _settle(queued.reserved, made):  # cancelled just now
+                        self._end_sink(queued.req.request_id, "left the queue")
+            self._prealloc.popleft()
+            self._queued.pop(queued.req.request_id, None)
+
+    def _reserve_now(self, engine: LLMEngine, req: Request, ttl_s: float, keep_free: int,
+                     queued_s: float) -> Reservation:
+        cached = engine.reserve(req, keep_free)
+        rid = req.request_id
         first_block = cached // self.layout.block_size
         ids = tuple(req.block_ids[first_block:])
-        with self._lock:
-            self._sinks[ids[0]] = req.request_id
+        arrival: Future[None] = Future()
+        self._sinks[ids[0]] = rid
+        self._arrivals[rid] = arrival
         try:
-            sink = self.agent.reserve(req.request_id, ids, ttl_s)
+            sink = self.agent.reserve(rid, ids, ttl_s)
         except BaseException:
-            with self._lock:
-                del self._sinks[ids[0]]
-            self.loop.call(lambda e: e.release_reserved(req.request_id))
+            self._sinks.pop(ids[0], None)
+            self._arrivals.pop(rid, None)
+            engine.release_reserved(rid)
             raise
-        return sink, first_block, cached
+        return Reservation(sink, first_block, cached, queued_s, arrival)
 
-    def generate(self, req: Request, first_token: int | None, listener: Listener,
-                 timeout_s: float = 60.0) -> None:
-        """Start decoding `req`; its outputs go to `listener` (on the engine loop's
-        thread). With `first_token`, its reserved sink must become ready (within
-        `timeout_s`; else TransferError); without, the prompt is computed here, in its
-        reserved blocks if it has them. Raises ValueError for a bad request."""
+    # -- transfer --------------------------------------------------------------------------
+
+    def arrival(self, request_id: str) -> Future[None]:
+        """The reserved request's KV: done once it is in, TransferError once its sink
+        failed; ValueError if it holds no reservation here."""
+        arrival = self._arrivals.get(request_id)
+        if arrival is None or not self.agent.holds(request_id):
+            raise ValueError(f"request {request_id!r} has no reservation here to decode from")
+        return arrival
+
+    def _arrived(self, request_id: str) -> None:  # the agent's on_ready
+        arrival = self._arrivals.get(request_id)
+        if arrival is not None:
+            _settle(arrival, None)
+
+    def _lost(self, request_id: str, reason: str) -> None:  # the agent's on_failed
+        arrival = self._arrivals.pop(request_id, None)
+        if arrival is not None:
+            _settle(arrival, error=TransferError(f"the KV of {request_id!r} did not arrive: "
+                                                 f"{reason}"))
+
+    # -- running ---------------------------------------------------------------------------
+
+    def start(self, request_id: str, first_token: int, listener: Listener) -> Future[None]:
+        """The KV is in and `first_token` was sampled from it: decode in the running
+        batch; its first output reaches `listener` on the loop thread, before the next
+        step's. TransferError if the sink is not ready."""
+        self._forget(self.agent.release(request_id))
+        self._arrivals.pop(request_id, None)
+        return self.loop.start(request_id, listener,
+                               lambda e: e.start_decode(request_id, first_token))
+
+    def drop_sink(self, request_id: str) -> None:
+        """Fail the request's sink but keep its blocks reserved in the engine, to compute
+        the prompt here (`compute_here`). Blocks while a write into them finishes."""
+        self._forget_request(request_id)  # so the sink's end does not free the blocks
+        self._arrivals.pop(request_id, None)
+        if self.agent.holds(request_id):
+            self.agent.abort(request_id, "prefilled on the decode node instead")
+
+    def compute_here(self, req: Request, listener: Listener) -> Future[None]:
+        """Prefill `req` on this node, in its reserved blocks if it has them (after
+        `drop_sink`), then decode it. ValueError for a bad request."""
         rid = req.request_id
-        reserved = self.agent.holds(rid)
-        if first_token is not None:
-            if not reserved:
-                raise ValueError(f"request {rid!r} has no reservation here to decode from")
-            if not self.agent.wait_ready(rid, timeout_s):
-                status = self.agent.status(rid)
-                self.agent.abort(rid, f"not ready after {timeout_s:g}s")
-                raise TransferError(f"the KV of {rid!r} did not arrive: "
-                                    f"{status.reason or status.state.value}")
-            self._forget(self.agent.release(rid))
-            # Its first output reaches the listener on the loop thread, before the next
-            # step's: delivered from here, it could come after it.
-            self.loop.start(rid, listener, lambda e: e.start_decode(rid, first_token))
-            return
-        self.loop.listen(rid, listener)
-        try:
-            # The prefill pool is skipped, or failed: compute the prompt here, in its
-            # reserved blocks while it still has them (a failed sink gives them back).
-            self._forget_request(rid)  # so the sink's end does not free them now
-            if reserved:
-                self.agent.abort(rid, "prefilled on the decode node instead")
-            if self.loop.call(lambda e: e.start_prefill(rid)):
-                return
-            self.loop.call(lambda e: e.add(req))
-        except BaseException:
-            self.loop.unlisten(rid)
-            raise
 
-    def abort(self, request_id: str, reason: str) -> bool:
-        """Fail its sink (which frees its blocks) and stop it in the engine."""
-        sink_ended = self.agent.holds(request_id) and self.agent.abort(request_id, reason)
-        return self.loop.abort(request_id) or sink_ended
+        def begin(engine: LLMEngine) -> None:
+            if not engine.start_prefill(rid):
+                engine.add(req)
+
+        return self.loop.start(rid, listener, begin)
+
+    # -- ending ----------------------------------------------------------------------------
+
+    def abort(self, request_id: str, reason: str) -> Future[bool]:
+        """End `request_id` in whichever stage holds it; whether one did. Never blocks."""
+        def end(engine: LLMEngine) -> bool:
+            queued = self._queued.pop(request_id, None)
+            if queued is not None:
+                self._prealloc.remove(queued)
+                _settle(queued.reserved, error=Aborted(reason))
+                return True
+            if self.agent.holds(request_id):  # its sink gives the blocks back
+                self._end_sink(request_id, reason)
+                return True
+            return self.loop.end(request_id)
+
+        return self.loop.submit(end)
+
+    def _end_sink(self, request_id: str, reason: str) -> None:
+        self._aborts.submit(self.agent.abort, request_id, reason)
 
     def close(self) -> None:
+        self._aborts.shutdown(wait=True)
         self.agent.close()
 
     def _bytes(self, num_blocks: int) -> int:
@@ -112,23 +233,40 @@ class DecodeRole:
 
     def _forget(self, block_ids: Sequence[int]) -> None:
         """A released sink: its blocks belong to the running request now."""
-        with self._lock:
-            self._sinks.pop(block_ids[0], None)
+        self._sinks.pop(block_ids[0], None)
         self.kv_bytes_received += self._bytes(len(block_ids))
 
     def _forget_request(self, request_id: str) -> None:
-        with self._lock:
-            for first, rid in list(self._sinks.items()):
-                if rid == request_id:
-                    del self._sinks[first]
+        for first, rid in list(self._sinks.items()):
+            if rid == request_id:
+                self._sinks.pop(first, None)
 
     def _sink_freed(self, block_ids: list[int]) -> None:
         """The agent is done with a failed sink: give its request's blocks back, unless
         the request went on without it (prefilled here)."""
-        with self._lock:
-            rid = self._sinks.pop(block_ids[0], None)
+        rid = self._sinks.pop(block_ids[0], None)
         if rid is None:
             return
         self.transfers_failed += 1
         self.loop.submit(lambda e: e.release_reserved(rid))
 
+
+def _settle(future: Future, result: object = None, error: BaseException | None = None) -> bool:
+    """Set `future`'s outcome unless it was cancelled or settled; whether it was set."""
+    try:
+        if future.done() or not (future.running() or future.set_running_or_notify_cancel()):
+            return False
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+        return True
+    except Exception:  # noqa: BLE001 - settled meanwhile on another thread
+        return False
+
+
+def _pass_error(source: Future, target: Future) -> None:
+    """`source` failed (the loop is closed, the id is in use): so does `target`."""
+    error = source.exception()
+    if error is not None:
+        _settle(target, error=error)

@@ -39,16 +39,18 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def allocate(self, req: Request, num_new_tokens: int, hits: list[Block] = ()) -> bool:
+    def allocate(self, req: Request, num_new_tokens: int, hits: list[Block] = (),
+                 keep_free: int = 0) -> bool:
         """Give `req` blocks for `num_new_tokens` more tokens (after its `hits`, which
-        become its first blocks). False, with nothing changed, when blocks run out."""
+        become its first blocks). False, with nothing changed, when blocks run out, or
+        when fewer than `keep_free` would be left."""
         total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
         need = cdiv(total, self.block_size) - len(req.block_ids) - len(hits)
         if need <= 0 and not hits:
             return True  # most decode steps: the last block has room
         # Free cache hits count as free blocks; taking them does not make new room.
         free_hits = sum(1 for b in hits if b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks - free_hits:
+        if need > self.pool.num_free_blocks - free_hits - keep_free:
             return False
         if hits:
             self.pool.acquire(hits)

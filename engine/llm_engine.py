@@ -45,6 +45,10 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
+class KVCacheFull(RuntimeError):
+    """The blocks a request needs are not free now (they may be later)."""
+
+
 @dataclass(eq=False)
 class _Launched:
     """A step launched ahead: its sampling requests and their tokens, not yet read."""
@@ -175,17 +179,17 @@ class LLMEngine:
 
     # --- the decode role: a prompt's KV computed elsewhere ------------------------------
 
-    def reserve(self, req: Request) -> int:
+    def reserve(self, req: Request, keep_free: int = 0) -> int:
         """Give `req` the blocks of its whole prompt (a cached prefix is shared, not
         copied) and hold it, unscheduled, until `start_decode`, `start_prefill` or
         `release_reserved`; returns how many prompt tokens were cached (their KV is in
-        place; `req.block_ids` past them await theirs). Raises RuntimeError when the
-        blocks are not free."""
+        place; `req.block_ids` past them await theirs). Raises KVCacheFull when the
+        blocks are not free, or would leave fewer than `keep_free`."""
         kv = self.scheduler.kv
         hits = kv.find_cached_blocks(req)
         cached = len(hits) * kv.block_size
-        if not kv.allocate(req, req.num_prompt_tokens - cached, hits):
-            raise RuntimeError(
+        if not kv.allocate(req, req.num_prompt_tokens - cached, hits, keep_free):
+            raise KVCacheFull(
                 f"no room for {req.num_prompt_tokens} prompt tokens: "
                 f"{self.block_pool.num_free_blocks} of {self.block_pool.num_blocks} blocks free"
             )

@@ -6,7 +6,7 @@ is never on the wire, and the transfer handshake's proofs, keyed the same way ov
 another context, cannot be made from it). A call without it, or with another, ends with
 UNAUTHENTICATED before its handler runs; the check is in constant time.
 
-    server = grpc.server(pool, interceptors=server_interceptors(secret))
+    server = grpc.aio.server(interceptors=aio_server_interceptors(secret))
     channel = grpc.aio.insecure_channel(address, interceptors=aio_interceptors(secret))
     channel = authenticated(grpc.insecure_channel(address), secret)   # synchronous
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,8 @@ import grpc
 METADATA_KEY = "x-tandem-cluster"
 CLUSTER_SECRET_ENV = "TANDEM_CLUSTER_SECRET"
 _CONTEXT = b"tandem-node-grpc\0"
+_REFUSAL = "this node obeys only its cluster: a missing or wrong cluster secret"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
 def read_secret(value: str | None, path: str | None, env: str) -> str | None:
@@ -50,8 +51,10 @@ def token(secret: bytes) -> str:
     return hmac.new(secret, _CONTEXT, hashlib.sha256).hexdigest()
 
 
-def server_interceptors(secret: bytes | None) -> list[grpc.ServerInterceptor]:
-    return [] if secret is None else [_RequireToken(token(secret))]
+def aio_server_interceptors(secret: bytes | None) -> list[grpc.aio.ServerInterceptor]:
+    """The check on an asyncio server. `grpc.health.v1` (Kubernetes' probes, which
+    carry no secret) is open: it tells only whether the node serves."""
+    return [] if secret is None else [_AioRequireToken(token(secret))]
 
 
 def aio_interceptors(secret: bytes | None) -> list[grpc.aio.ClientInterceptor]:
@@ -68,31 +71,31 @@ def authenticated(channel: grpc.Channel, secret: bytes | None) -> grpc.Channel:
     return grpc.intercept_channel(channel, _SyncToken(((METADATA_KEY, token(secret)),)))
 
 
-class _RequireToken(grpc.ServerInterceptor):
+class _AioRequireToken(grpc.aio.ServerInterceptor):
     def __init__(self, expected: str) -> None:
         self._expected = expected.encode()
 
-    def intercept_service(self, continuation: Callable[[Any], grpc.RpcMethodHandler | None],
-                          details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails
+                                ) -> grpc.RpcMethodHandler | None:
         given = next((v for k, v in details.invocation_metadata or () if k == METADATA_KEY), "")
-        if isinstance(given, str) and hmac.compare_digest(given.encode(), self._expected):
-            return continuation(details)
-        handler = continuation(details)
-        if handler is None:  # an unknown method: UNIMPLEMENTED, as without the check
+        if details.method.startswith(HEALTH_PREFIX) or (
+                isinstance(given, str) and hmac.compare_digest(given.encode(), self._expected)):
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
             return None
         if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(_refuse_stream)
-        return grpc.unary_unary_rpc_method_handler(_refuse)
+            return grpc.unary_stream_rpc_method_handler(_refuse_stream_aio)
+        return grpc.unary_unary_rpc_method_handler(_refuse_aio)
 
 
-def _refuse(_: object, context: grpc.ServicerContext) -> None:
-    context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                  "this node obeys only its cluster: a missing or wrong cluster secret")
+async def _refuse_aio(_: object, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
 
 
-def _refuse_stream(request: object, context: grpc.ServicerContext) -> Any:
-    _refuse(request, context)
-    yield  # unreachable: a generator, as a streaming handler must be
+async def _refuse_stream_aio(request: object, context: grpc.aio.ServicerContext) -> Any:
+    await _refuse_aio(request, context)
+    yield  # unreachable: an async generator, as a streaming handler must be
 
 
 def _with_metadata(details: Any, metadata: tuple[tuple[str, str], ...]) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 
 from tandem.engine.block_pool import BlockEvent
 from tandem.kvtransfer.index.base import BlockIndex
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 class BlockEvents:
     def __init__(self, node_id: str, index: BlockIndex | None = None) -> None:
         self.node_id, self.index = node_id, index
-        self._subscribers: set[queue.SimpleQueue[BlockEvent]] = set()
+        self._subscribers: set[Callable[[BlockEvent], None]] = set()
         self._lock = threading.Lock()
         self._to_index: queue.SimpleQueue[BlockEvent | None] = queue.SimpleQueue()
         self._publisher = None
@@ -30,18 +31,20 @@ class BlockEvents:
     def on_event(self, event: BlockEvent) -> None:
         """The block pool's hook (on the engine loop's thread)."""
         with self._lock:
-            for q in self._subscribers:
-                q.put(event)
+            subscribers = list(self._subscribers)
+        for subscriber in subscribers:
+            subscriber(event)
         if self._publisher is not None:
             self._to_index.put(event)
 
-    def subscribe(self, q: queue.SimpleQueue[BlockEvent]) -> None:
+    def subscribe(self, subscriber: Callable[[BlockEvent], None]) -> None:
+        """`subscriber(event)` on the engine loop's thread for each event: must not block."""
         with self._lock:
-            self._subscribers.add(q)
+            self._subscribers.add(subscriber)
 
-    def unsubscribe(self, q: queue.SimpleQueue[BlockEvent]) -> None:
+    def unsubscribe(self, subscriber: Callable[[BlockEvent], None]) -> None:
         with self._lock:
-            self._subscribers.discard(q)
+            self._subscribers.discard(subscriber)
 
     def close(self) -> None:
         """Stop publishing and take this node's blocks out of the shared index."""

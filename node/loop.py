@@ -1,5 +1,5 @@
-"""One engine driven by one thread: a node's gRPC handlers run on many threads, the engine
-on this one. Every engine call goes through `call` (run between two steps); the loop
+"""One engine driven by one thread: a node's gRPC handlers run on its asyncio loop, the
+engine on this one. Every engine call goes through `call` (run between two steps); the loop
 steps while requests are unfinished and hands each request's outputs to its listener.
 
     loop = EngineLoop(engine)
@@ -8,10 +8,14 @@ steps while requests are unfinished and hands each request's outputs to its list
     ...
     loop.close()
 
-A listener runs on the loop thread and must not block. If a step raises (a bug), every
-unfinished request is aborted and its listener gets the exception, so no caller waits
-forever; the loop goes on with new requests. `liveness()` says whether the loop is
-healthy (its last step did not fail, and it is not stuck), for the node's Health.
+A listener runs on the loop thread and must not block. `add_stage(fn)` has the loop run
+`fn(engine)` after each round of calls and before each step: a role's queue that waits
+for the engine's blocks moves there (the decode role's prealloc queue).
+
+If a step raises (a bug), every unfinished request is aborted and its listener gets the
+exception, so no caller waits forever; the loop goes on with new requests. `liveness()`
+says whether the loop is healthy (its last step did not fail, and it is not stuck), for
+the node's Health.
 
 `EngineLoop(engine, thread=False)` starts no thread: its owner calls `run()` on the
 process's main thread (a node does). On the CPU, steps there run ~1.4x faster than on
@@ -41,6 +45,10 @@ Listener = Callable[[RequestOutput | BaseException], None]
 _IDLE_WAIT_S = 0.05  # an idle loop wakes this often to look at `closed`
 
 
+class LoopClosed(RuntimeError):
+    """The engine loop is closed (the node is stopping): nothing more runs on it."""
+
+
 @dataclass(frozen=True)
 class Liveness:
     alive: bool
@@ -55,6 +63,7 @@ class EngineLoop:
         self._calls: queue.SimpleQueue[tuple[Callable[[LLMEngine], object], Future]] = (
             queue.SimpleQueue())
         self._listeners: dict[str, Listener] = {}
+        self._stages: list[Callable[[LLMEngine], None]] = []
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._stopped = threading.Event()  # run() has returned
@@ -72,7 +81,7 @@ class EngineLoop:
         """Run `fn(engine)` on the loop thread, between two steps."""
         future: Future[T] = Future()
         if self._closed.is_set():
-            future.set_exception(RuntimeError("the engine loop is closed"))
+            future.set_exception(LoopClosed("the engine loop is closed"))
             return future
         self._calls.put((fn, future))
         return future
@@ -81,39 +90,48 @@ class EngineLoop:
         """`submit(fn)` and wait for its result (its exception is raised here)."""
         return self.submit(fn).result(timeout)
 
+    def add_stage(self, fn: Callable[[LLMEngine], None]) -> None:
+        """Run `fn(engine)` on the loop thread before every step (and on every idle
+        wake-up); it must not block, and what it raises is logged."""
+        self._stages.append(fn)
+
     def listen(self, request_id: str, listener: Listener) -> None:
         """Outputs of `request_id` go to `listener` until one is finished."""
         with self._lock:
             self._listeners[request_id] = listener
 
     def start(self, request_id: str, listener: Listener,
-              fn: Callable[[LLMEngine], RequestOutput], timeout: float | None = 60.0) -> None:
-        """`listen(request_id, listener)`, then run `fn` on the loop thread and hand the
-        output it makes to the listener there, as a step's: ahead of the next step's."""
+              fn: Callable[[LLMEngine], RequestOutput | None]) -> Future[None]:
+        """On the loop thread: `listen(request_id, listener)`, run `fn`, and hand the
+        output it makes (if any) to the listener there, as a step's: ahead of the next
+        step's. If `fn` raises, the listener is dropped and the future has the error."""
         def start(engine: LLMEngine) -> None:
-            out = fn(engine)
-            self._deliver(request_id, out, out.finished)
+            self.listen(request_id, listener)
+            try:
+                out = fn(engine)
+            except BaseException:
+                self.unlisten(request_id)
+                raise
+            if out is not None:
+                self._deliver(request_id, out, out.finished)
 
-        self.listen(request_id, listener)
-        try:
-            self.call(start, timeout)
-        except BaseException:
-            self.unlisten(request_id)
-            raise
+        return self.submit(start)
 
     def unlisten(self, request_id: str) -> None:
         with self._lock:
             self._listeners.pop(request_id, None)
 
-    def abort(self, request_id: str, timeout: float | None = 60.0) -> bool:
-        """Stop `request_id` in the engine; its listener gets the finished ("abort")
-        output, as from a step. Whether the engine had it."""
-        def abort(engine: LLMEngine) -> bool:
-            out = engine.abort(request_id)
-            if out is not None:
-                self._deliver(request_id, out, True)
-            return out is not None
-        return self.call(abort, timeout)
+    def abort(self, request_id: str) -> Future[bool]:
+        """Stop `request_id` in the engine (`end`, on the loop thread)."""
+        return self.submit(lambda engine: self.end(request_id))
+
+    def end(self, request_id: str) -> bool:
+        """On the loop thread: stop `request_id` in the engine; its listener gets the
+        finished ("abort") output, as from a step. Whether the engine had it."""
+        out = self.engine.abort(request_id)
+        if out is not None:
+            self._deliver(request_id, out, True)
+        return out is not None
 
     def liveness(self, stall_s: float) -> Liveness:
         """Alive unless the last step failed less than `stall_s` ago (after that the node
@@ -138,6 +156,7 @@ class EngineLoop:
         try:
             while not self._closed.is_set():
                 self._run_calls(block=not self.engine.has_unfinished)
+                self._run_stages()
                 if self.engine.has_unfinished:
                     self._step()
                 else:
@@ -145,7 +164,7 @@ class EngineLoop:
         finally:
             while not self._calls.empty():  # nobody will run these now
                 _, future = self._calls.get_nowait()
-                future.set_exception(RuntimeError("the engine loop is closed"))
+                future.set_exception(LoopClosed("the engine loop is closed"))
             self._stopped.set()
 
     def _run_calls(self, block: bool) -> None:
@@ -163,6 +182,13 @@ class EngineLoop:
                 fn, future = self._calls.get_nowait()
             except queue.Empty:
                 return
+
+    def _run_stages(self) -> None:
+        for stage in self._stages:
+            try:
+                stage(self.engine)
+            except Exception:  # noqa: BLE001 - a stage's bug must not stop the loop
+                log.exception("engine loop stage %s failed", stage)
 
     def _step(self) -> None:
         try:

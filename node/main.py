@@ -29,7 +29,8 @@ def run_node(args: argparse.Namespace) -> int:
     service = NodeService(engine, args.role, args.connector, args.transfer_host, index,
                           engine_thread=False,
                           secret=None if secret is None else secret.encode(),
-                          transfer_port=args.transfer_port, advertise_host=args.advertise_host)
+                          transfer_port=args.transfer_port, advertise_host=args.advertise_host,
+                          max_requests=args.max_requests)
     server, port = serve(service, args.host, args.port, args.advertise_host)
     # The engine thread runs Python most of a step and rarely waits: with the default
     # 5 ms switch interval, each hand-off of a token to a gRPC thread could wait that
@@ -40,7 +41,8 @@ def run_node(args: argparse.Namespace) -> int:
     # One line a launcher waits for: the role, the model and where to reach the node.
     print(f"tandem node ready: role={args.role} model={engine.model_name} "
           f"grpc={args.advertise_host or args.host}:{port} "
-          f"transfer={service.decode.address}", flush=True)
+          f"transfer={service.decode.address} "
+          f"kv_blocks={engine.block_pool.num_blocks}", flush=True)
     # SIGTERM (a pod's termination, tandem up's stop) drains first; Ctrl-C stops at once.
     drain_s = [args.drain_timeout]
     closer = threading.Thread(target=lambda: run_until_stopped(server, service, stop,

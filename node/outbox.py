@@ -1,36 +1,36 @@
 """Generated tokens on their way out of a decode node.
 
 Each request's engine outputs become `GenerateChunk`s (`Chunks`). They leave either in
-the request's own Generate stream, or, for a call that names a subscriber, through that
-router's one `Outputs` stream (`Outbox`): the engine thread only queues each output, and
-one sender thread turns whatever has queued (about one engine step of every request) into
-one message. With one stream thread per request instead, every token woke a thread that
-took the GIL from the engine: at 32 streams those threads used twice the engine
-thread's CPU and set the pace of the step.
+the request's own Generate stream (`CallStream`), or, for a call that names a
+subscriber, through that router's one `Outputs` stream (`Outbox`). Either way the
+engine thread only posts each output to the node's asyncio loop (`Bridge`: one wake-up
+per step for every request), where chunks are made; an Outbox sends whatever has
+queued (about one engine step of every request) as one message.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-from collections.abc import Callable, Iterator
+import asyncio
+from collections.abc import AsyncIterator
 
 from tandem.engine.outputs import RequestOutput
+from tandem.node.aio import Bridge
 from tandem.protos import node_pb2 as pb
 
-POLL_S = 0.1  # a waiting stream looks at its client this often
+Output = RequestOutput | BaseException
 
 
 class Chunks:
     """One request's outputs as chunks: the tokens each output adds, its text, the first
     chunk's `head` fields (where the prompt was computed) and the usage counts on the
-    last. `done` is set once the last chunk is made, or the request failed (`error`)."""
+    last. `done` is set once the last chunk is made, or the request failed (`error`).
+    Used on the asyncio loop only."""
 
     def __init__(self, request_id: str, head: pb.GenerateChunk | None = None) -> None:
         self.request_id = request_id
         self.head = head
         self.sent = 0  # tokens in the chunks made so far
-        self.done = threading.Event()
+        self.done = asyncio.Event()
         self.error: BaseException | None = None
 
     def chunk(self, out: RequestOutput, named: bool = False) -> pb.GenerateChunk:
@@ -54,45 +54,58 @@ class Chunks:
         self.done.set()
 
 
+class CallStream:
+    """A request's outputs for its own Generate stream: `listener` (engine thread)
+    posts them; `get` awaits the next."""
+
+    def __init__(self, bridge: Bridge) -> None:
+        self._bridge = bridge
+        self._queue: asyncio.Queue[Output] = asyncio.Queue()
+
+    def listener(self, out: Output) -> None:
+        self._bridge.post(self._queue.put_nowait, out)
+
+    async def get(self) -> Output:
+        return await self._queue.get()
+
+
 class Outbox:
     """One subscriber's Outputs stream. `listener(chunks)` is an engine listener that
     queues the request's outputs here; `batches` makes and yields them, in order, as
-    `OutputBatch`es until the stream's client goes away or `close()`."""
+    `OutputBatch`es until `close()`."""
 
-    def __init__(self, subscriber: str) -> None:
+    def __init__(self, subscriber: str, bridge: Bridge) -> None:
         self.subscriber = subscriber
-        self._queue: queue.SimpleQueue[tuple[Chunks, RequestOutput] | None] = (
-            queue.SimpleQueue())
-        self.closed = threading.Event()
+        self._bridge = bridge
+        self._queue: asyncio.Queue[tuple[Chunks, RequestOutput] | None] = asyncio.Queue()
+        self.closed = asyncio.Event()
 
-    def listener(self, chunks: Chunks) -> Callable[[RequestOutput | BaseException], None]:
-        def on_output(out: RequestOutput | BaseException) -> None:  # on the engine thread
-            if isinstance(out, BaseException):
-                chunks.fail(out)  # its Generate call reports it
-            elif not self.closed.is_set():
-                self._queue.put((chunks, out))
+    def listener(self, chunks: Chunks):  # noqa: ANN201 - a Listener
+        def on_output(out: Output) -> None:  # on the engine thread
+            self._bridge.post(self._put, chunks, out)
         return on_output
 
-    def close(self) -> None:
-        self.closed.set()
-        self._queue.put(None)  # wakes the sender
+    def _put(self, chunks: Chunks, out: Output) -> None:
+        if isinstance(out, BaseException):
+            chunks.fail(out)  # its Generate call reports it
+        elif not self.closed.is_set():
+            self._queue.put_nowait((chunks, out))
 
-    def batches(self, is_active: Callable[[], bool]) -> Iterator[pb.OutputBatch]:
+    def close(self) -> None:
+        """On the asyncio loop."""
+        self.closed.set()
+        self._queue.put_nowait(None)  # wakes the sender
+
+    async def batches(self) -> AsyncIterator[pb.OutputBatch]:
         yield pb.OutputBatch()  # open
         while not self.closed.is_set():
-            try:
-                item = self._queue.get(timeout=POLL_S)
-            except queue.Empty:
-                if not is_active():
-                    return
-                continue
+            item = await self._queue.get()
             batch = pb.OutputBatch()
             while item is not None:
                 chunks, out = item
                 batch.chunks.append(chunks.chunk(out, named=True))
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
+                if self._queue.empty():
                     break
+                item = self._queue.get_nowait()
             if batch.chunks:
                 yield batch

@@ -192,7 +192,9 @@ def create_app(settings: RouterSettings) -> FastAPI:
         started = time.monotonic()
         chunks = flow.run(call)
         try:
-            first = await anext(chunks)  # errors before any token are plain HTTP errors
+            # Errors before any token are plain HTTP errors; a client that leaves while
+            # its request is queued or prefilling aborts it everywhere.
+            first = await _until_disconnected(request, anext(chunks))
         except StopAsyncIteration:
             raise APIError("the decode node ended the stream early", status=502,
                            kind="server_error") from None

@@ -11,6 +11,11 @@ from the router on the critical path (decode-first):
    engine step for all its requests; `NodeClient.follow_outputs`), or in the Generate
    call's own stream while that is not open.
 
+Admission: the decode node comes from `DecodeQueue`, which holds the request, first
+come first served, while every decode node is at its limit (429 past its length, 503
+`queue_timeout` past its deadline); a node that refuses for want of room sends it back
+there.
+
 Failures: a decode node that fails before the first token reached the client is marked
 down and the request starts over on another; a prefill node or transfer that fails
 leaves the prompt to the decode node (`on_transfer_failure="recompute"`, the default:
@@ -31,7 +36,9 @@ import grpc
 
 from tandem.node.timeouts import TIMEOUTS, Timeouts
 from tandem.protos import node_pb2 as pb
+from tandem.router.admission import DecodeQueue
 from tandem.router.index import RouterIndex
+from tandem.router.limits import Limits
 from tandem.router.metrics import RouterMetrics
 from tandem.router.pool import NodeClient, OutputsClosed, Pool
 from tandem.router.protocol import APIError
@@ -58,7 +65,9 @@ class StreamBroken(Exception):
 class FlowConfig:
     local_prefill_threshold: int = 0  # uncached tokens below this: prefill on the decode node
     on_transfer_failure: str = "recompute"  # or "fail"
-    max_attempts: int = 3  # decode nodes tried per request
+    max_attempts: int = 3  # decode nodes tried per request (a node with no room is no try)
+    max_queued_requests: int = Limits.max_queued_requests
+    queue_timeout_s: float = Limits.queue_timeout_s
     timeouts: Timeouts = TIMEOUTS
 
 
@@ -66,6 +75,8 @@ class Flow:
     def __init__(self, pool: Pool, config: FlowConfig, metrics: RouterMetrics,
                  index: RouterIndex) -> None:
         self.pool, self.config, self.metrics, self.index = pool, config, metrics, index
+        self.queue = DecodeQueue(pool, config.max_queued_requests, config.queue_timeout_s)
+        metrics.watch_queue(self.queue)
         self._cleanup: set[asyncio.Task] = set()
 
     async def run(self, request: pb.Request) -> AsyncIterator[pb.GenerateChunk]:
@@ -74,11 +85,12 @@ class Flow:
         tried: set[NodeClient] = set()
         last_error = "no decode node is available"
         began = time.monotonic()
-        for _ in range(self.config.max_attempts):
-            decode = self.pool.pick_decode(tried)
+        deadline = began + self.config.queue_timeout_s
+        attempts = 0
+        while attempts < self.config.max_attempts:
+            decode = await self.queue.take(tried, deadline)
             if decode is None:
                 break
-            tried.add(decode)
             started = False
             try:
                 async for chunk in self._on(decode, request, began):
@@ -90,9 +102,14 @@ class Flow:
                     raise APIError(exc.details() or "invalid request") from None
                 if started:
                     raise StreamBroken(f"the decode node failed: {exc.details()}") from None
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self.queue.busy(decode)  # no room there now: queue again, no try spent
+                    continue
                 if exc.code() not in _RETRY_CODES:
                     raise APIError(f"the decode node failed: {exc.details()}", status=500,
                                    kind="server_error") from None
+                attempts += 1
+                tried.add(decode)
                 last_error = f"{decode.name}: {exc.details()}"
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
                     # Gone, or its engine failed: nothing more goes there until its
@@ -117,7 +134,7 @@ class Flow:
             fail_on_error=self.config.on_transfer_failure == "fail",
         )
         finished = False
-        decode.in_flight += 1
+        queued_s = time.monotonic() - began  # in this router's queue
         if prefill is not None:
             prefill.in_flight += 1
         try:
@@ -126,6 +143,7 @@ class Flow:
                                                                          prefill=plan)):
                 now = time.monotonic()
                 if previous is None:
+                    self.metrics.queue_time.observe(queued_s + chunk.queued_s)
                     self._count_prefill(rid, chunk, prefill)
                     self.pool.record_ttft(now - began, decode, prefill)
                     if prefill is not None:
@@ -144,7 +162,7 @@ class Flow:
                                kind="server_error", code="prefill_failed") from None
             raise
         finally:
-            decode.in_flight -= 1
+            self.queue.release(decode)
             if prefill is not None:
                 prefill.in_flight -= 1
             if not finished:  # an error, or the client went away: free it everywhere

@@ -36,8 +36,12 @@ _READY = re.compile(r"tandem node ready: .* grpc=(\S+)")
 def flow_config(args: argparse.Namespace) -> FlowConfig:
     if args.local_prefill_threshold < 0:
         raise ValueError("--local-prefill-threshold must be 0 or more")
+    if args.max_queued_requests < 0 or args.queue_timeout <= 0:
+        raise ValueError("--max-queued-requests must be 0 or more, --queue-timeout above 0")
     return FlowConfig(local_prefill_threshold=args.local_prefill_threshold,
-                      on_transfer_failure=args.on_transfer_failure)
+                      on_transfer_failure=args.on_transfer_failure,
+                      max_queued_requests=args.max_queued_requests,
+                      queue_timeout_s=args.queue_timeout)
 
 
 def router_settings(args: argparse.Namespace, prefill: Sequence[str],
@@ -93,7 +97,7 @@ def plan_nodes(args: argparse.Namespace) -> list[NodePlan]:
     """Which nodes `tandem up` starts, where: --prefill N --decode M (or --colocated N
     decode nodes that prefill their own prompts), each role's devices from its
     --*-devices list (one per node, or one for all). Nodes on one CUDA device split
-    --gpu-memory-fraction evenly. Raises ValueError for inconsistent flags."""
+    --gpu-memory-fraction (`_shares`). Raises ValueError for inconsistent flags."""
     if args.colocated is not None:
         if args.colocated < 1:
             raise ValueError("--colocated needs at least 1 node")
@@ -112,10 +116,32 @@ def plan_nodes(args: argparse.Namespace) -> list[NodePlan]:
             raise ValueError(f"--{role}-devices names {len(names)} devices for {n} "
                              f"{role} nodes: give one per node, or one for all")
         devices[role] = names * n if len(names) == 1 else names
+    if not 0 < args.prefill_share < 1:
+        raise ValueError("--prefill-share must be in (0, 1)")
     roles = [(role, devices[role][i]) for role, n in counts.items() for i in range(n)]
-    sharing = {d: sum(1 for _, x in roles if x == d) for _, d in roles}
-    return [NodePlan(role, d, args.gpu_memory_fraction / (sharing[d] if "cuda" in d else 1))
-            for role, d in roles]
+    return [NodePlan(role, d, args.gpu_memory_fraction * share)
+            for (role, d), share in zip(roles, _shares(roles, args.prefill_share))]
+
+
+def _shares(roles: list[tuple[str, str]], prefill_share: float) -> list[float]:
+    """Each node's share of its CUDA device's --gpu-memory-fraction. On a device with
+    both roles, the prefill nodes split `prefill_share` of it and the decode nodes the
+    rest: a prefill node's KV only holds the prompts it computes now, a decode node's
+    every running request's whole context. Nodes of one role split a device evenly; a
+    CPU node's share is 1."""
+    shares = []
+    for role, device in roles:
+        if "cuda" not in device:
+            shares.append(1.0)
+            continue
+        here = [r for r, d in roles if d == device]
+        same = here.count(role)
+        if len(set(here)) == 1:
+            shares.append(1.0 / same)
+        else:
+            part = prefill_share if role == "prefill" else 1.0 - prefill_share
+            shares.append(part / same)
+    return shares
 
 
 def run_up(args: argparse.Namespace) -> int:

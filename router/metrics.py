@@ -5,6 +5,7 @@ token counts, as its last poll read them (label `node`); the router's own counte
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -53,8 +54,23 @@ class RouterMetrics:
         self.planner_actions = Counter("tandem:planner_actions", "Role switches the planner "
                                        "made, by the pool left and the pool joined.",
                                        ["from", "to"], registry=r)
-        r.register(_NodeCollector(pool))
+        self.queue_time = Histogram(
+            "tandem:request_queue_time_seconds", "Time a request waited for resources: in "
+            "the router's queue and in its decode node's queue for KV blocks.",
+            buckets=E2E_BUCKETS, registry=r)
+        self._nodes = _NodeCollector(pool)
+        r.register(self._nodes)
         r.register(_IndexCollector(index))
+
+
+    def watch_queue(self, queue: Queued) -> None:
+        """`tandem:num_requests_waiting{node="router"}` counts `queue`'s waiters."""
+        self._nodes.queue = queue
+
+
+class Queued(Protocol):
+    @property
+    def num_waiting(self) -> int: ...
 
 
 class _IndexCollector(Collector):
@@ -74,6 +90,7 @@ class _NodeCollector(Collector):
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
+        self.queue: Queued | None = None  # the router's own, labelled node="router"
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         def gauge(name: str, doc: str) -> GaugeMetricFamily:
@@ -112,6 +129,8 @@ class _NodeCollector(Collector):
             "kv_transfer_failures": counter("kv_transfer_failures",
                                             "KV transfers that failed on the node."),
         }
+        if self.queue is not None:
+            families["num_requests_waiting"].add_metric(["router"], self.queue.num_waiting)
         for node in self.pool.nodes:
             label = [node.name]
             families["node_up"].add_metric(label, 1.0 if node.healthy else 0.0)

@@ -65,6 +65,7 @@ class NodeClient:
     health: pb.HealthReply | None = None
     stats: pb.StatsReply | None = None
     in_flight: int = 0  # requests this router has on it now
+    busy_until: float = 0.0  # time.monotonic(): it refused a request for want of room
     switching_to: int | None = None  # an admin role switch in progress
     # Decode nodes: this router's Outputs stream there, and the requests it feeds.
     subscriber: str = field(default_factory=lambda: f"router-{uuid.uuid4().hex[:12]}")

@@ -191,7 +191,9 @@ def test_a_prefilled_request_streams_each_token_once_in_order(nodes, prompts, ex
         if out.finished:
             finished.set()
 
-    service.decode.generate(req, done.first_token, listener)
+    assert req.request_id == "listened"
+    service.decode.arrival("listened").result(30)
+    service.decode.start("listened", done.first_token, listener).result(30)
     assert finished.wait(60)
     assert seen == [("engine-loop", n) for n in range(1, NEW_TOKENS + 1)]
 
@@ -527,31 +529,9 @@ def test_health_tells_when_the_engine_fails_and_the_router_stops_using_it(
         _close(decode)
 
 
-def test_streams_past_the_limit_are_refused_and_control_calls_still_answer(model_path,
-                                                                           prompts):  # noqa: ANN001
-    decode = _node(model_path, "decode", max_streams=2)
-    try:
-        streams = [_start(decode, f"s{i}", prompts[0]) for i in range(2)]
-        with pytest.raises(grpc.RpcError) as raised:
-            _start(decode, "third", prompts[0])
-        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "2 streaming calls" in raised.value.details()
-        started = time.monotonic()
-        for _ in range(20):  # while both streams run
-            decode.stub.Health(pb.HealthRequest(), timeout=1)
-            decode.stub.Stats(pb.StatsRequest(), timeout=1)
-        assert time.monotonic() - started < 5
-        for stream in streams:
-            stream.cancel()
-        assert _wait(lambda: _idle(decode))
-        _start(decode, "later", prompts[0]).cancel()  # the slots came back
-        assert _wait(lambda: _idle(decode))
-    finally:
-        _close(decode)
-
-
-def test_requests_past_max_waiting_are_refused(model_path, prompts):  # noqa: ANN001
-    decode = _node(model_path, "decode", max_num_seqs=1, max_waiting=1)
+def test_requests_past_max_requests_are_refused_and_control_calls_still_answer(
+        model_path, prompts):  # noqa: ANN001
+    decode = _node(model_path, "decode", max_num_seqs=1, max_requests=2)
     try:
         running = _start(decode, "running", prompts[0])
         waiting = decode.stub.Generate(pb.GenerateRequest(
@@ -560,9 +540,17 @@ def test_requests_past_max_waiting_are_refused(model_path, prompts):  # noqa: AN
         with pytest.raises(grpc.RpcError) as raised:
             _drive(decode, _request("refused", prompts[2]), _plan(None))
         assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "holds 2 requests" in raised.value.details()
+        started = time.monotonic()
+        for _ in range(20):  # while both calls run
+            decode.stub.Health(pb.HealthRequest(), timeout=1)
+            decode.stub.Stats(pb.StatsRequest(), timeout=1)
+        assert time.monotonic() - started < 5
         assert decode.stats().num_running == 1
         running.cancel()
         waiting.cancel()
+        assert _wait(lambda: _idle(decode))
+        _start(decode, "later", prompts[0]).cancel()  # the room came back
         assert _wait(lambda: _idle(decode))
     finally:
         _close(decode)

@@ -1,0 +1,58 @@
+"""From the node's other threads to its asyncio loop, which serves every gRPC call.
+
+The engine loop's thread (outputs, block events) and the transfer agent's (a sink
+ready or failed) hand work to the asyncio loop through a `Bridge`: `post(fn, *args)`
+queues a call, and the first call of a batch wakes the loop once, so one engine step's
+outputs for every request cost one wake-up, not one each. Calls run in the order they
+were posted.
+
+`engine_call(loop, fn)` runs `fn(engine)` on the engine loop's thread and awaits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from tandem.engine.llm_engine import LLMEngine
+from tandem.node.loop import EngineLoop
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Bridge:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._calls: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+
+    def post(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` on the asyncio loop, soon; from any thread. Dropped once the
+        loop is closed (the node is stopping)."""
+        with self._lock:
+            wake = not self._calls
+            self._calls.append((fn, args))
+        if wake and not self.loop.is_closed():
+            try:
+                self.loop.call_soon_threadsafe(self._run)
+            except RuntimeError:  # closed just now
+                pass
+
+    def _run(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for fn, args in calls:
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - one caller's bug must not drop the rest
+                log.exception("bridged call %s failed", fn)
+
+
+async def engine_call(loop: EngineLoop, fn: Callable[[LLMEngine], T]) -> T:
+    """`fn(engine)` on the engine loop's thread, between two steps; its error is raised
+    here."""
+    return await asyncio.wrap_future(loop.submit(fn))

@@ -1,0 +1,157 @@
+"""A burst is served late, not refused (issue 24): real `tandem node` processes (real
+SmolLM2) and a `tandem router`, a few hundred concurrent streams against a few dozen KV
+blocks. Every request completes with all its tokens, first come first served; every
+node's blocks and queues are empty afterwards, also after a burst whose clients all
+leave while queued; past the router's queue a request gets 429 with Retry-After, and one
+queued past its deadline 503 `queue_timeout`, both OpenAI error JSON."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+from serving_helpers import cluster, metric_samples
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+SECRET = "queueing-test-secret"
+BLOCKS = ["--num-kv-blocks", "48", "--max-num-seqs", "16", "--max-model-len", "512"]
+
+
+@dataclass
+class Answer:
+    sent: float = 0.0
+    status: int = 0
+    retry_after: str | None = None
+    error: dict | None = None
+    first_token_at: float | None = None
+    tokens: int = 0
+    done: bool = False
+    finish_reason: str | None = None
+    lines: list[str] = field(default_factory=list)
+
+
+def _stream(url: str, i: int, answer: Answer, max_tokens: int, timeout: float = 600,
+            leave_after: float | None = None) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    body = {"model": MODEL, "prompt": f"Request {i}: tell me about the number {i}.",
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    answer.sent = time.monotonic()
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
+    if leave_after is not None:  # the client goes away before its first token
+        time.sleep(leave_after)
+        conn.sock.close()
+        return
+    r = conn.getresponse()
+    answer.status, answer.retry_after = r.status, r.getheader("Retry-After")
+    if r.status != 200:
+        answer.error = json.loads(r.read())["error"]
+        return
+    for raw in r:
+        line = raw.decode().strip()
+        if line == "data: [DONE]":
+            answer.done = True
+        elif line.startswith("data: "):
+            event = json.loads(line[6:])
+            answer.error = event.get("error", answer.error)
+            for choice in event.get("choices", []):
+                if answer.first_token_at is None:
+                    answer.first_token_at = time.monotonic()
+                answer.tokens += 1
+                answer.finish_reason = choice.get("finish_reason") or answer.finish_reason
+    conn.close()
+
+
+def _burst(url: str, n: int, max_tokens: int, **kw: object) -> list[Answer]:
+    answers = [Answer() for _ in range(n)]
+    threads = [threading.Thread(target=_stream, args=(url, i, a, max_tokens), kwargs=kw)
+               for i, a in enumerate(answers)]
+    for t in threads:  # in order, a little apart: the router sees them in this order
+        t.start()
+        time.sleep(0.003)
+    for t in threads:
+        t.join(timeout=900)
+    return answers
+
+
+def _settled(url: str) -> dict[str, float]:
+    """Requests running or waiting anywhere (router and nodes) and KV blocks used, by
+    metric, summed; once every figure is back to 0 (the nodes' last poll), else the last
+    reading after 20 s."""
+    deadline = time.monotonic() + 20
+    while True:
+        totals = {"tandem:num_requests_running": 0.0, "tandem:num_requests_waiting": 0.0,
+                  "tandem:kv_blocks_used": 0.0}
+        for name, _, value in metric_samples(url):
+            if name in totals:
+                totals[name] += value
+        if not any(totals.values()) or time.monotonic() > deadline:
+            return totals
+        time.sleep(0.5)
+
+
+def _one(url: str, max_tokens: int = 8) -> Answer:
+    answer = Answer()
+    _stream(url, 9999, answer, max_tokens)
+    return answer
+
+
+def test_a_burst_larger_than_the_cache_is_queued_and_served_in_order():
+    with cluster(1, 1, SECRET, BLOCKS) as c:
+        answers = _burst(c.url, 240, max_tokens=16)
+        bad = [(i, a.status, a.error) for i, a in enumerate(answers)
+               if a.status != 200 or not a.done or a.tokens != 16 or a.error]
+        assert not bad, f"{len(bad)} of 240 did not complete: {bad[:5]}"
+        # First come, first served: the first fifth got its first token before the last.
+        firsts = [a.first_token_at for a in answers]
+        assert statistics.median(firsts[:48]) < statistics.median(firsts[-48:])
+        assert _settled(c.url) == {"tandem:num_requests_running": 0.0,
+                                   "tandem:num_requests_waiting": 0.0,
+                                   "tandem:kv_blocks_used": 0.0}
+        samples = metric_samples(c.url)
+        queued = [v for n, labels, v in samples
+                  if n == "tandem:request_queue_time_seconds_count"]
+        assert queued == [240.0]
+
+        # A burst whose clients all leave while queued leaves nothing behind...
+        left = _burst(c.url, 200, max_tokens=64, leave_after=1.0)
+        assert all(a.status == 0 for a in left)
+        assert _settled(c.url) == {"tandem:num_requests_running": 0.0,
+                                   "tandem:num_requests_waiting": 0.0,
+                                   "tandem:kv_blocks_used": 0.0}
+        # ...and the next request is served at once.
+        started = time.monotonic()
+        after = _one(c.url)
+        assert after.done and after.tokens == 8
+        assert time.monotonic() - started < 5
+
+
+def test_past_the_queue_429_and_past_the_deadline_503_queue_timeout():
+    node_flags = [*BLOCKS, "--max-requests", "2"]
+    router = ["--max-queued-requests", "3", "--queue-timeout", "2"]
+    with cluster(1, 1, SECRET, node_flags, router_flags=router) as c:
+        answers = _burst(c.url, 9, max_tokens=400, timeout=120)
+        by_status: dict[int, list[Answer]] = {}
+        for a in answers:
+            by_status.setdefault(a.status, []).append(a)
+        assert sorted((s, len(v)) for s, v in by_status.items()) == [(200, 2), (429, 4),
+                                                                      (503, 3)]
+        for a in by_status[429]:
+            assert a.retry_after == "1"
+            assert a.error["type"] == "rate_limit_error"
+            assert a.error["code"] == "too_many_requests"
+            assert "3 requests are queued already" in a.error["message"]
+        for a in by_status[503]:
+            assert a.error["code"] == "queue_timeout"
+            assert a.error["type"] == "service_unavailable"
+            assert a.retry_after == "1"
+        for a in by_status[200]:
+            assert a.done and a.tokens == 400
