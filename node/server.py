@@ -526,17 +526,19 @@ def serve(service: NodeService, host: str = "127.0.0.1", port: int = 0,
 
 
 def _health(service: NodeService) -> health_pb2_grpc.HealthServicer:
-    """The standard health service: SERVING while the node takes new requests, both for
-    the whole server ("") and for tandem.Node."""
+    """The standard health service, for Kubernetes' probes: "" serves while the engine
+    loop is alive (liveness), "tandem.Node" while the node also takes new requests
+    (readiness: not while it drains)."""
     servicer = health.aio.HealthServicer()
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
 
     async def watch() -> None:
         while True:
-            status = (health_pb2.HealthCheckResponse.SERVING if service.accepting
-                      and service.loop.liveness(service.timeouts.engine_stall_s).alive
-                      else health_pb2.HealthCheckResponse.NOT_SERVING)
-            for name in ("", "tandem.Node"):
-                await servicer.set(name, status)
+            alive = service.loop.liveness(service.timeouts.engine_stall_s).alive
+            await servicer.set("", serving if alive else not_serving)
+            ready = alive and service.accepting
+            await servicer.set("tandem.Node", serving if ready else not_serving)
             await asyncio.sleep(1.0)
 
     service.aio.create_task(watch())

@@ -31,6 +31,7 @@ waits in the engine gets no push.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import queue
@@ -38,7 +39,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -81,6 +81,7 @@ class _Pending:
     sink: SinkInfo
     first_block: int
     deadline: float  # time.monotonic(): the caller and the push give up then
+    wait_s: float  # the caller's wait, from its start to the deadline
     result: Future[PrefillResult] = field(default_factory=Future)
     transfer: _Transfer | None = None
     error: BaseException | None = None  # the hook's reason for opening no push
@@ -106,11 +107,35 @@ class PrefillRole:
         self.transfers_failed = 0
         loop.engine.prefill_hook = self._hook
 
-    def prefill(self, req: Request, sink: SinkInfo, first_block: int,
-                timeout_s: float = 120.0) -> PrefillResult:
+    async def run(self, req: Request, sink: SinkInfo, first_block: int,
+                  timeout_s: float = 120.0) -> PrefillResult:
         """Compute `req`'s prompt and push blocks first_block.. of it into `sink`.
         Raises ValueError for a bad request, TransferError when the push failed (or the
-        sink expired). Waits until the sink's expiry plus a grace, at most `timeout_s`."""
+        sink expired). Waits until the sink's expiry plus a grace, at most `timeout_s`;
+        a caller that goes away (cancelled) drops the prompt from the engine."""
+        pending, add = self._begin(req, sink, first_block, timeout_s)
+        rid = req.request_id
+        await asyncio.wrap_future(self.loop.submit(add))
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending.result)),
+                                          max(0.0, pending.deadline - time.monotonic()))
+        except TimeoutError:
+            error = TransferError(f"no KV push result for {rid!r} within {pending.wait_s:.3g}s "
+                                  f"(its sink's expiry and {EXPIRY_GRACE_S:g}s)")
+            self._give_up(rid, pending, error)
+            raise error from None
+        except asyncio.CancelledError:
+            self._give_up(rid, pending, TransferError(f"the caller of {rid!r} went away"))
+            raise
+
+    def prefill(self, req: Request, sink: SinkInfo, first_block: int,
+                timeout_s: float = 120.0) -> PrefillResult:
+        """`run`, for a caller on no event loop (a script, a test thread)."""
+        return asyncio.run(self.run(req, sink, first_block, timeout_s))
+
+    def _begin(self, req: Request, sink: SinkInfo, first_block: int, timeout_s: float
+               ) -> tuple[_Pending, Callable[[LLMEngine], None]]:
+        """Check the sink; the pending prefill, and what adds it on the loop thread."""
         if len(sink.block_ids) != -(-req.num_prompt_tokens // self.layout.block_size) - first_block:
             raise ValueError(f"the sink's {len(sink.block_ids)} blocks from block {first_block} "
                              f"do not fit a {req.num_prompt_tokens}-token prompt")
@@ -123,7 +148,7 @@ class PrefillRole:
                       replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)),
                       cache_salt=req.cache_salt)
         wait_s = min(timeout_s, left + EXPIRY_GRACE_S)
-        pending = _Pending(sink, first_block, time.monotonic() + wait_s)
+        pending = _Pending(sink, first_block, time.monotonic() + wait_s, wait_s)
         rid = req.request_id
 
         def add(engine: LLMEngine) -> None:
@@ -133,14 +158,7 @@ class PrefillRole:
             self._pending[rid] = pending
             self.loop.listen(rid, lambda out: self._on_output(rid, out))
 
-        self.loop.call(add)
-        try:
-            return pending.result.result(max(0.0, pending.deadline - time.monotonic()))
-        except FutureTimeout:
-            error = TransferError(f"no KV push result for {rid!r} within {wait_s:.3g}s "
-                                  f"(its sink's expiry and {EXPIRY_GRACE_S:g}s)")
-            self._give_up(rid, pending, error)
-            raise error from None
+        return pending, add
 
     def close(self) -> None:
         """Cancel the transfers still running and wait (a bounded time) for their ends."""

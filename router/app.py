@@ -111,8 +111,9 @@ def create_app(settings: RouterSettings) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         metrics.errors.labels(str(exc.status)).inc()
-        # No capacity now (every node full or down): worth retrying soon.
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        # No capacity now (the queue full, every node down or a deadline passed in the
+        # queue): worth retrying soon.
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status in (429, 503) else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.get("/health")
