@@ -155,3 +155,48 @@ def test_past_the_queue_429_and_past_the_deadline_503_queue_timeout():
             assert a.retry_after == "1"
         for a in by_status[200]:
             assert a.done and a.tokens == 400
+
+
+def _leave_after(url: str, prompt: str, seconds: float) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
+    time.sleep(seconds)
+    conn.sock.close()
+
+
+def test_clients_that_leave_before_their_first_token_free_every_node_at_once():
+    """Long prompts, one prefilling on the prefill node and the rest queued behind it:
+    their clients leave, and within a couple of seconds no node holds a block or a
+    request; a short request sent next is served at idle speed."""
+    flags = ["--num-kv-blocks", "1024", "--max-num-seqs", "16", "--max-model-len", "4096",
+             "--max-num-batched-tokens", "256"]
+    with cluster(1, 1, SECRET, flags) as c:
+        started = time.monotonic()
+        idle = _one(c.url)
+        idle_s = time.monotonic() - started
+        assert idle.done
+        long = " ".join(f"word{i % 97}" for i in range(1000))  # ~3,000 tokens
+        started = time.monotonic()
+        threads = [threading.Thread(target=_leave_after, args=(c.url, f"{i} {long}", 3.0))
+                   for i in range(4)]
+        for t in threads:
+            t.start()
+        busy = 0.0  # the nodes' blocks in use while the clients wait, as polled
+        while not busy and time.monotonic() - started < 2.5:
+            time.sleep(0.2)
+            busy = sum(v for n, _, v in metric_samples(c.url) if n == "tandem:kv_blocks_used")
+        for t in threads:
+            t.join()
+        gone = time.monotonic()
+        totals = _settled(c.url)
+        freed_s = time.monotonic() - gone
+        assert totals == {"tandem:num_requests_running": 0.0,
+                          "tandem:num_requests_waiting": 0.0, "tandem:kv_blocks_used": 0.0}
+        assert busy > 0 and freed_s < 3.0, (busy, freed_s)  # a poll lags up to a second
+        started = time.monotonic()
+        after = _one(c.url)
+        assert after.done and after.tokens == 8
+        assert time.monotonic() - started < max(2.0, 3 * idle_s)
