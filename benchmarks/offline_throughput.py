@@ -165,6 +165,10 @@ def parse_args() -> argparse.Namespace:
         "generate call per system (HF: one batch unless --hf-batch-size), each model "
         "loaded once; replaces --num-prompts (e.g. 1,8)",
     )
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="Tandem's batch, as a node's flag (default: %(default)s)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="Tandem without its prefix cache, as a node's flag")
     p.add_argument("--skip-hf", action="store_true", help="time Tandem only")
     p.add_argument(
         "--json",
@@ -230,6 +234,8 @@ def load_tandem(args: argparse.Namespace) -> LLM:
         device=args.device,
         load_format=args.load_format,
         seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=not args.no_prefix_caching,
     )
 
 

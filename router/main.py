@@ -176,6 +176,7 @@ def run_up(args: argparse.Namespace) -> int:
                 env=env)
             children.append(child)
         addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+        watched: list[tuple[NodePlan, subprocess.Popen, str]] = []
         for node, child in zip(plan, children):
             try:
                 address = _wait_ready(child, node.role)
@@ -183,11 +184,14 @@ def run_up(args: argparse.Namespace) -> int:
                 print(f"tandem: error: {exc}", file=sys.stderr, flush=True)
                 return 1
             addresses[node.role].append(address)
+            watched.append((node, child, address))
             print(f"{node.role} node ready at {address} on {node.device}", flush=True)
         app = create_app(router_settings(args, addresses["prefill"], addresses["decode"]))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
         server = uvicorn.Server(config)
         threading.Thread(target=_announce, args=(server, args), daemon=True).start()
+        threading.Thread(target=_watch, args=(watched,), daemon=True,
+                         name="watch-nodes").start()
         server.run()
     except KeyboardInterrupt:
         pass
@@ -254,6 +258,21 @@ def _announce(server: uvicorn.Server, args: argparse.Namespace) -> None:
         time.sleep(0.05)
     print(f"Tandem is up: http://{args.host}:{args.port}/v1 (model "
           f"{args.served_model_name or args.model}); Ctrl-C stops it", flush=True)
+
+
+def _watch(nodes: list[tuple[NodePlan, subprocess.Popen, str]]) -> None:
+    """Say when a node process ends on its own, and reap it (the router marks the node
+    down at its next poll and stops reporting its figures)."""
+    alive = list(nodes)
+    while alive:
+        time.sleep(1.0)
+        for entry in list(alive):
+            plan, child, address = entry
+            code = child.poll()  # reaps it
+            if code is not None:
+                alive.remove(entry)
+                log.error("the %s node at %s (pid %d) exited with code %d", plan.role,
+                          address, child.pid, code)
 
 
 def _stop(child: subprocess.Popen) -> None:

@@ -138,7 +138,7 @@ class _NodeCollector(Collector):
                 families["router_outputs_stream_open"].add_metric(
                     label, 1.0 if node.outputs_open else 0.0)
             s = node.stats
-            if s is None:
+            if s is None or not node.reachable:  # gone: its last figures are stale
                 continue
             used = s.kv_blocks_total - s.kv_blocks_free
             families["num_requests_running"].add_metric(label, s.num_running)

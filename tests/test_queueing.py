@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import signal
 import statistics
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
-from serving_helpers import cluster, metric_samples
+from serving_helpers import cluster, metric_samples, tandem_up
 
 pytestmark = pytest.mark.slow
 
@@ -200,3 +204,28 @@ def test_clients_that_leave_before_their_first_token_free_every_node_at_once():
         after = _one(c.url)
         assert after.done and after.tokens == 8
         assert time.monotonic() - started < max(2.0, 3 * idle_s)
+
+
+def test_tandem_up_reaps_a_node_that_dies_and_its_figures_leave_metrics():
+    with tandem_up(["--num-kv-blocks", "64", "--max-model-len", "512"]) as (url, up, _):
+        children = subprocess.run(["pgrep", "-P", str(up.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        nodes = [int(p) for p in children
+                 if "node" in Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")]
+        assert len(nodes) == 2
+        before = {labels["node"] for n, labels, _ in metric_samples(url)
+                  if n == "tandem:num_requests_running"}
+        assert len(before) == 2
+        os.kill(nodes[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            after = {labels["node"] for n, labels, _ in metric_samples(url)
+                     if n == "tandem:num_requests_running"}
+            reaped = not Path(f"/proc/{nodes[0]}").exists()
+            if len(after) == 1 and reaped:
+                break
+            time.sleep(0.5)
+        assert len(after) == 1 and reaped, (after, reaped)
+        up_node = {labels["node"]: v for n, labels, v in metric_samples(url)
+                   if n == "tandem:node_up"}
+        assert sorted(up_node.values()) == [0.0, 1.0]
