@@ -1,7 +1,10 @@
 """The receiving side of KV transfers: reservations (sinks) that senders push KV into.
 
-Protocol, per request, on one sender connection (kinds below; each is one message of
-protos/transfer.proto, which only `messages.py` encodes and decodes):
+Protocol, per request, on one sender connection, which may carry many requests'
+transfers interleaved (tcp shares a few connections per sending process): every frame
+names its request id, and a sink takes frames only from the connection (`peer`) its begin
+was accepted on (kinds below; each is one message of protos/transfer.proto, which only
+`messages.py` encodes and decodes):
 
     sender -> begin {request_id, layout, num_blocks[, writer]}
                                                        receiver checks the layout
@@ -23,11 +26,11 @@ protos/transfer.proto, which only `messages.py` encodes and decodes):
 A reservation owns its block ids from `reserve` until it is released to the caller
 (`release`, after ready) or fails. It fails, and `free_blocks` is called exactly once, on
 TTL expiry before release, on `abort` here, on an abort frame, on a layout or protocol
-error, when the sender's connection ends before ready (at disconnect, not at the TTL),
-or on `close()`. The TTL is a lease over every state, from `reserve` to `release`: a
-ready sink nobody releases (its caller died between the push and its Generate) is freed
-when it lapses too. Failed and released
-reservations stay visible to `status` for `keep_s`; a retry may reserve the same id again.
+error, when the sender's connection ends before ready (at disconnect, not at the TTL:
+every live sink of that connection), or on `close()`. The TTL is a lease over every
+state, from `reserve` to `release`: a ready sink nobody releases (its caller died between
+the push and its Generate) is freed when it lapses too. Failed and released reservations
+stay visible to `status` for `keep_s`; a retry may reserve the same id again.
 
 With the ipc connector a sender writes before this side has heard of it: the sink's
 SinkInfo carries a `target` (this cache and its write guard, with the sink's ticket), and

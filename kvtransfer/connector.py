@@ -8,6 +8,10 @@ travels as that message's protobuf envelope, which only `messages` encodes and d
 
 Invariants every implementation keeps:
 - frames from one Sender arrive at the Receiver in the order they were sent;
+- Senders may share a connection (tcp keeps a few per receiver address, however many
+  transfers are in flight): their frames interleave whole, each reply reaches the Sender
+  that sent frames of the request id it names, and the Receiver's `peer` is the
+  connection, so one peer may carry many requests' transfers at once;
 - `Sender.send` returns only once the payload's memory may be reused by the caller;
   `Sender.send_async` may return before, with a `SendHandle` that says when (frames from
   both go out in call order);
@@ -267,12 +271,15 @@ class Sender(ABC):
         raise TransferError(f"{type(self).__name__} has no back channel")
 
     def release(self) -> None:
-        """The transfers on this connection ended cleanly (nothing owed either way): the
-        connector may keep it for the next sender to the same address. Default: close."""
+        """This Sender's transfers ended cleanly (nothing owed either way): the connector
+        may keep its connection for later Senders to the same address. Default: close."""
         self.close()
 
     @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """End this Sender; the receiver learns at once that its open transfers are over:
+        its connection closes, or, one that other Senders share, carries an abort for each
+        transfer this Sender began and saw no end of (done or abort)."""
 
 
 class Connector(ABC):

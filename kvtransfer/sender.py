@@ -33,7 +33,9 @@ every push (it reads the caches' layout once, not per push).
 With the cluster `secret`, `begin` and `abort` carry `auth`: `auth.proof(secret,
 request_id)`, which the receiver checks; the secret itself never goes on the wire.
 
-One push is driven by one thread at a time (the prefill role gives each its own).
+One push is driven by one thread at a time (the prefill role gives each its own). Pushes
+to one receiver share the connector's connections (tcp: a few per address, however many
+pushes are in flight); every frame names its request id, and so does every reply.
 
 Every failure raises TransferError (LayoutMismatch for a layout mismatch) within a
 bounded time; leaving the `with` block on an exception aborts the transfer, so the
@@ -227,8 +229,9 @@ class KVPush:
         self.close()
 
     def close(self, reuse: bool = False) -> None:
-        """`reuse`: the transfer ended cleanly (done), so the connection may serve the
-        next one; any other close ends it, which the receiver sees at once."""
+        """`reuse`: the transfer ended cleanly (done), so the connection may serve later
+        ones; any other close ends the transfer, which the receiver learns at once (its
+        connection closes, or carries an abort: `Sender.close`)."""
         self._closed = True
         if self._written is not None:
             self._written.event.synchronize()  # our writes, before their mapping goes

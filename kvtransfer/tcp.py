@@ -1,16 +1,59 @@
-"""The tcp connector: plain sockets, one thread per incoming connection. The CPU default.
+"""The tcp connector: plain sockets, the CPU default. Senders to one receiver share a few
+long-lived connections, so many transfers in flight are never many connections.
+
+Sharing. Per receiver address a connector keeps at most `max_links` connections (links)
+and puts each new Sender on the least busy one, opening another only while every open one
+carries a Sender (`_Links`). Transfers on a link interleave frame by frame: a Sender writes
+a whole frame under the link's write lock, so one Sender's frames keep their order and
+never mix bytes with another's; a Sender waits for the lock within its send timeout. One
+reader thread per link hands each reply to the Sender that sent frames of its request id
+(`TcpSender.poll`); a reply about no such request goes to the link's only Sender if it has
+exactly one (a handshake of its own, nccl's hello), else nowhere (a late abort of a
+transfer that ended). The receiver names the link as one `peer` carrying many transfers.
+
+A Sender's end never ends its link: `close` (and `release`, the same here) first sends an
+`abort`, signed with its begin's `auth`, for each transfer it began and saw no end of
+(done or abort, either way), so the receiver frees those sinks at once, as it did when a
+transfer closed a connection of its own. A link fails as a whole, and then every Sender on
+it raises TransferError: a write that times out or breaks (the stream may be mid-frame), a
+read error or a stall mid-frame, the receiver closing it. A link no Sender uses is kept
+(at most `max_idle` per address) for at most `idle_timeout_s / 2`, so it is not handed out
+just as the receiver closes it for idleness, and never while it has bytes to read (the
+receiver closed it). `max_idle=0`: no link is shared or kept; each Sender gets a
+connection of its own, closed with it, and every frame on it (nccl's control channel,
+whose receiver keeps state per connection).
 
 Every socket has a timeout (`io_timeout`), so nothing blocks forever: a peer that stalls
 mid-frame is an error after `io_timeout`; an idle connection between frames may wait on
 (a sender computing its next layer), and keepalive probes find a peer host that vanished
-without closing. A killed peer process closes its sockets, which the receiver sees at
+without closing. A killed peer process closes its sockets, which the other side sees at
 once as EOF or a reset.
 
 The receiver bounds what peers can hold: at most `max_connections` connections at once
-(one beyond is closed as it is accepted), and a connection that sent nothing for
-`idle_timeout_s` while no transfer is in flight on it (`Receiver.keep_open_while`) is
-closed, its thread ending with it. Senders drop a parked connection after half that, so
-they don't reuse one the receiver is closing just then (`_quiet` catches one it closed).
+(one beyond is closed as it is accepted; a sending process opens at most `max_links`), and
+a connection that sent nothing for `idle_timeout_s` while no transfer is in flight on it
+(`Receiver.keep_open_while`) is closed, its thread ending with it.
+
+Why not pyzmq (which the design names): measured side by side, sender and receiver in two
+processes over loopback with the real envelopes, the best of 15-30 transfers of
+begin/accept, 30 layer frames and end/done, in ms ("+copy": the bytes land in `alloc`'s
+tensor, as the Receiver contract asks; "no copy": ZeroMQ's own buffer is handed over):
+
+                          2-core dev machine      16-core H100 host, 3 runs
+    layer size            sockets  pyzmq+copy     sockets    pyzmq+copy  pyzmq, no copy
+    256 KiB                  4.3      6.6         2.4-4.3    2.1-3.2     2.4-3.2
+    1 MiB                   13.3     17.9         7.1-7.2    6.6-6.8     5.3-6.3
+    4 MiB                   46.0     62.7         26.8-29.8  26.3-29.9   27.9-29.9
+    control round trip      87 us    97 us        80-88 us   139-152 us
+    small frames, one way   46 k/s   118 k/s      46-58 k/s  54-81 k/s
+
+Bulk bytes are a tie on the big host and faster on sockets on the small one; the round
+trips every transfer waits on (begin -> accept, end -> done) are faster on sockets on
+both; only a one-way stream of tiny frames is faster on pyzmq, which batches writes.
+ZeroMQ also takes in a whole message before its header can be read, so nothing could be
+checked (`check_payload`, the sink's shape) before the bytes are allocated, nor land in
+`alloc`'s buffer without the copy; and it shows a connection's end (`on_error`) only
+through a socket monitor. So these are plain sockets, multiplexed.
 """
 
 from __future__ import annotations
@@ -21,6 +64,7 @@ import select
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -32,17 +76,20 @@ from tandem.kvtransfer.connector import (
     ErrorHandler,
     Frame,
     FrameHandler,
-    IdleConnections,
     Receiver,
     Sender,
     TransferError,
     stamp_peer,
 )
+from tandem.kvtransfer.messages import ABORT, BEGIN, DONE
 from tandem.kvtransfer.wire import HostStaging, recv_frame, send_frame
 
 log = logging.getLogger(__name__)
 
 _SCHEME = "tcp://"
+# A closing Sender's aborts wait at most this long for the link (best effort: if they
+# can't go, the link is stuck and fails, or the sinks' TTL frees them).
+_ABORT_TIMEOUT_S = 2.0
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -71,13 +118,15 @@ class TcpConnector(Connector):
         max_idle: int = 2,
         max_connections: int = 64,
         idle_timeout_s: float = 120.0,
+        max_links: int = 4,
     ) -> None:
+        """`max_links`: connections per receiver address that Senders share; `max_idle`:
+        how many of them stay open with no Sender (0: none is shared, see the module)."""
+        if max_links < 1 or max_idle < 0:
+            raise ValueError(f"need max_links >= 1, max_idle >= 0: {max_links}, {max_idle}")
         self.io_timeout = io_timeout
         self.max_connections, self.idle_timeout_s = max_connections, idle_timeout_s
-        # Connections kept per address after a transfer ended cleanly (`Sender.release`),
-        # so the next one skips connecting (and the receiver starting a thread for it).
-        self._idle = IdleConnections(max_idle, _quiet, socket.socket.close,
-                                     max_age_s=idle_timeout_s / 2)
+        self._links = _Links(self._connect, max_links, max_idle, idle_timeout_s / 2)
 
     def receiver(
         self,
@@ -91,26 +140,22 @@ class TcpConnector(Connector):
                            self.max_connections, self.idle_timeout_s, port)
 
     def sender(self, address: str, connect_timeout: float = 5.0) -> TcpSender:
-        host, port = parse_address(address)
-        sock = self._idle.take(address)
-        if sock is None:
-            try:
-                sock = socket.create_connection((host, port), timeout=connect_timeout)
-            except OSError as exc:  # refused, unreachable, or timed out
-                raise TransferError(f"cannot connect to {address}: {exc}") from exc
-            _tune(sock, self.io_timeout)
-        return TcpSender(sock, address, self.io_timeout, self._idle.park)
+        parse_address(address)
+        link = self._links.join(address, connect_timeout)
+        return TcpSender(link, self._links.leave, self.io_timeout)
 
     def close(self) -> None:
-        """Close the idle connections kept for reuse."""
-        self._idle.close()
+        """Close the links no Sender uses; the others close as their last Sender leaves."""
+        self._links.close()
 
-
-def _quiet(sock: socket.socket) -> bool:
-    """Nothing to read on an idle connection: one with bytes waiting was closed by the
-    receiver or carries a late reply, and is not reused."""
-    readable, _, _ = select.select([sock], [], [], 0)
-    return not readable
+    def _connect(self, address: str, timeout: float) -> _Link:
+        host, port = parse_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:  # refused, unreachable, or timed out
+            raise TransferError(f"cannot connect to {address}: {exc}") from exc
+        _tune(sock, self.io_timeout)
+        return _Link(sock, address, self.io_timeout, shared=self._links.shared)
 
 
 @dataclass(eq=False)
@@ -249,59 +294,298 @@ class TcpReceiver(Receiver):
         return False
 
 
-class TcpSender(Sender):
-    """One connection to a Receiver. Used by one thread at a time."""
 
-    def __init__(
-        self,
-        sock: socket.socket,
-        address: str,
-        io_timeout: float,
-        park: Callable[[str, socket.socket], None] | None = None,
-    ) -> None:
-        self._sock, self._address, self._io_timeout = sock, address, io_timeout
-        self._staging = HostStaging()
-        self._park = park
-        self._broken = False  # a send or read failed: the stream may be mid-frame
+# -- the sending side: links shared by Senders -----------------------------------------
 
-    def send(self, frame: Frame, timeout: float | None = None) -> None:
-        # The timeout bounds the whole send, so a receiver that stops reading is caught.
-        self._sock.settimeout(timeout or self._io_timeout)
+
+class _Links:
+    """A connector's links, per address. A Sender joins an idle live link if there is
+    one, else opens a new one while fewer than `max_links` are open or opening, else
+    joins the least busy (or waits, within its connect timeout, for one being opened).
+    A link left with no Sender is kept while at most `max_idle` per address are, for at
+    most `max_age_s`. `senders` counts change under `_cond`. Not `shared` (`max_idle=0`):
+    every Sender gets a link of its own, closed as it leaves."""
+
+    def __init__(self, connect: Callable[[str, float], _Link], max_links: int,
+                 max_idle: int, max_age_s: float) -> None:
+        self._connect = connect
+        self.max_links, self.max_idle, self.max_age_s = max_links, max_idle, max_age_s
+        self.shared = max_idle > 0
+        self._links: dict[str, list[_Link]] = {}
+        self._opening: dict[str, int] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def join(self, address: str, timeout: float) -> _Link:
+        """The link a new Sender goes on (counted in its `senders`)."""
+        if not self.shared:
+            return self._connect(address, timeout)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                links = self._live(address)
+                opening = self._opening.get(address, 0)
+                room = len(links) + opening < self.max_links
+                best = min(links, key=lambda link: link.senders, default=None)
+                if best is not None and (best.senders == 0 or not room):
+                    best.senders += 1
+                    return best
+                if room:
+                    self._opening[address] = opening + 1
+                    break
+                if not self._cond.wait(deadline - time.monotonic()):  # for one being opened
+                    raise TransferError(f"cannot connect to {address}: no connection came "
+                                        f"up in {timeout:g}s")
+        return self._open(address, deadline)
+
+    def _open(self, address: str, deadline: float) -> _Link:
+        """Connect a link for the Sender that counted itself in `_opening`."""
         try:
-            send_frame(self._sock, frame, self._staging)
-        except TimeoutError as exc:
-            self._broken = True
-            raise TransferError(f"send to {self._address} timed out") from exc
-        except OSError as exc:
-            self._broken = True
-            raise TransferError(f"send to {self._address} failed: {exc}") from exc
+            link = self._connect(address, max(deadline - time.monotonic(), 1e-3))
+        except BaseException:
+            with self._cond:
+                self._opening[address] -= 1
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._opening[address] -= 1
+            link.senders = 1
+            self._links.setdefault(address, []).append(link)
+            self._cond.notify_all()
+        return link
 
-    def poll(self, timeout: float = 0.0) -> Frame | None:
-        try:
-            readable, _, _ = select.select([self._sock], [], [], timeout)
-            if not readable:
-                return None
-            self._sock.settimeout(self._io_timeout)
-            frame = recv_frame(self._sock, _no_payloads, self._staging)
-        except (OSError, TransferError) as exc:
-            self._broken = True
-            if isinstance(exc, TransferError):
-                raise
-            raise TransferError(f"connection to {self._address} lost: {exc}") from exc
-        if frame is None:
-            self._broken = True
-            raise TransferError(f"receiver at {self._address} closed the connection")
-        return frame
+    def _live(self, address: str) -> list[_Link]:
+        """`address`'s links, less those failed, or idle too long or with bytes waiting
+        (the receiver closed it), which are closed."""
+        now = time.monotonic()
+        links = self._links.get(address, [])
+        live = [link for link in links if link.error is None and (
+            link.senders or (now - link.idle_since < self.max_age_s and link.quiet()))]
+        for link in links:
+            if link not in live:
+                link.close()
+        self._links[address] = live
+        return live
 
-    def release(self) -> None:
-        if self._park is None or self._broken or self._sock.fileno() < 0:
-            self.close()
-        else:
-            self._park(self._address, self._sock)
-            self._park = None
+    def leave(self, link: _Link) -> None:
+        """A Sender left `link`."""
+        if not self.shared:
+            link.close()
+            return
+        with self._cond:
+            link.senders -= 1
+            if link.senders:
+                return
+            link.idle_since = time.monotonic()
+            links = self._links.get(link.address, [])
+            idle = sum(1 for other in links if not other.senders)
+            drop = self._closed or link.error is not None or idle > self.max_idle
+            if drop and link in links:
+                links.remove(link)
+            self._cond.notify_all()
+        if drop:
+            link.close()
 
     def close(self) -> None:
-        self._sock.close()
+        with self._cond:
+            self._closed = True
+            idle = [link for links in self._links.values() for link in links if not link.senders]
+            for links in self._links.values():
+                links[:] = [link for link in links if link.senders]
+        for link in idle:
+            link.close()
+
+
+class _Link:
+    """One connection to a receiver, shared by the Senders on it. Whole frames are
+    written under `_write_lock`; the reader thread routes replies (`_deliver`) and ends
+    the link when the connection does. `error` is set once, when the link fails or
+    closes; from then on every Sender on it raises. The sockets are closed by the reader
+    thread as it ends, once no write is in progress."""
+
+    def __init__(self, sock: socket.socket, address: str, io_timeout: float,
+                 shared: bool) -> None:
+        self.address, self.shared = address, shared
+        self.senders = 0  # under _Links' lock
+        self.idle_since = time.monotonic()
+        self.error: TransferError | None = None
+        self._sock = sock
+        # The reader's own socket object, so a writer setting its send timeout doesn't
+        # change the reader's (timeouts are per object; both stay non-blocking beneath).
+        self._rsock = sock.dup()
+        self._rsock.settimeout(io_timeout)
+        self._write_lock = threading.Lock()
+        self._staging = HostStaging()
+        self._lock = threading.Lock()  # guards the two below and `error`
+        self._members: set[TcpSender] = set()
+        self._routes: dict[str, TcpSender] = {}  # request id -> the Sender that sent it
+        self._reader = threading.Thread(target=self._read_loop, name=f"tcp-link-{address}",
+                                        daemon=True)
+        self._reader.start()
+
+    def add(self, sender: TcpSender) -> None:
+        with self._lock:
+            self._members.add(sender)
+
+    def remove(self, sender: TcpSender) -> None:
+        with self._lock:
+            self._members.discard(sender)
+            for rid in [rid for rid, s in self._routes.items() if s is sender]:
+                del self._routes[rid]
+
+    def route(self, request_id: str, sender: TcpSender) -> None:
+        """Replies about `request_id` go to `sender` (the latest to send frames of it)."""
+        with self._lock:
+            self._routes[request_id] = sender
+
+    def write(self, frame: Frame, timeout: float) -> None:
+        """Write one whole frame within `timeout`, waiting for the link's turn included.
+        A write that fails part way fails the link: the stream may be mid-frame."""
+        deadline = time.monotonic() + timeout
+        if not self._write_lock.acquire(timeout=timeout):
+            raise TransferError(f"send to {self.address} timed out: the connection stayed "
+                                f"busy for {timeout:g}s")
+        try:
+            self.raise_if_failed()
+            self._sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            send_frame(self._sock, frame, self._staging)
+        except TimeoutError as exc:
+            raise self.fail(TransferError(f"send to {self.address} timed out")) from exc
+        except OSError as exc:
+            raise self.fail(TransferError(f"send to {self.address} failed: {exc}")) from exc
+        finally:
+            self._write_lock.release()
+
+    def quiet(self) -> bool:
+        """Nothing waits to be read: an idle link with bytes waiting was closed by the
+        receiver (or carries a late reply) and is not handed out."""
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+        except (OSError, ValueError):  # closed by its reader just now: it failed
+            return False
+        return not readable
+
+    def fail(self, error: TransferError) -> TransferError:
+        """End the link with `error` (the first one sticks); wake every Sender on it."""
+        with self._lock:
+            first, self.error = self.error is None, self.error or error
+            members = list(self._members)
+        if first:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # the receiver sees it; the reader wakes
+            except OSError:
+                pass
+            for sender in members:
+                sender.wake()
+        return error
+
+    def close(self) -> None:
+        self.fail(TransferError(f"connection to {self.address} closed"))
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise TransferError(str(self.error))
+
+    def _read_loop(self) -> None:
+        staging = HostStaging()
+        try:
+            while (frame := recv_frame(self._rsock, _no_payloads, staging,
+                                       lambda: self.error is None)) is not None:
+                self._deliver(frame)
+            error = TransferError(f"receiver at {self.address} closed the connection")
+        except (OSError, TransferError) as exc:
+            error = TransferError(f"connection to {self.address} lost: {exc}")
+        self.fail(error)
+        with self._write_lock:  # a write in progress ends at once on the shut-down socket
+            self._rsock.close()
+            self._sock.close()
+
+    def _deliver(self, frame: Frame) -> None:
+        rid = frame.header.get("request_id")
+        with self._lock:
+            sender = self._routes.get(rid) if isinstance(rid, str) else None
+            if sender is None and len(self._members) == 1:
+                (sender,) = self._members
+        if sender is None:
+            log.debug("dropped a %s reply from %s: no sender of %r on this connection",
+                      frame.header.get("kind"), self.address, rid)
+            return
+        sender.deliver(frame)
+
+
+class TcpSender(Sender):
+    """One Sender's place on a link: its frames go out whole and in call order; `poll`
+    gets the replies about the request ids it sent frames of. Used by one thread at a
+    time (`deliver` and `wake` come from the link's reader)."""
+
+    def __init__(self, link: _Link, leave: Callable[[_Link], None], io_timeout: float) -> None:
+        self._link, self._leave, self._io_timeout = link, leave, io_timeout
+        self._inbox: deque[Frame] = deque()
+        self._cond = threading.Condition()
+        # transfers this Sender began and saw no end of: request id -> its begin's `auth`
+        self._open: dict[str, str | None] = {}
+        self._routed: set[str] = set()
+        self._closed = False
+        link.add(self)
+
+    def send(self, frame: Frame, timeout: float | None = None) -> None:
+        if self._closed:
+            raise TransferError(f"sender to {self._link.address} is closed")
+        self._note(frame.header, sent=True)
+        self._link.write(frame, timeout or self._io_timeout)
+
+    def poll(self, timeout: float = 0.0) -> Frame | None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._inbox or self._link.error is not None,
+                                max(timeout, 0.0))
+            frame = self._inbox.popleft() if self._inbox else None
+        if frame is None:
+            self._link.raise_if_failed()
+            return None
+        self._note(frame.header, sent=False)
+        return frame
+
+    def close(self) -> None:
+        """Leave the link; on a shared one, abort first what this Sender left open."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._link.shared:
+            for rid, auth in list(self._open.items()):
+                self._abort(rid, auth)
+        self._link.remove(self)
+        self._leave(self._link)
+
+    def deliver(self, frame: Frame) -> None:
+        with self._cond:
+            self._inbox.append(frame)
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _note(self, header: dict, sent: bool) -> None:
+        """Route `header`'s request back here; keep `_open` (begun, no end seen)."""
+        rid, kind = header.get("request_id"), header.get("kind")
+        if not isinstance(rid, str):
+            return
+        if sent and rid not in self._routed:
+            self._routed.add(rid)
+            self._link.route(rid, self)
+        if sent and kind == BEGIN:
+            self._open[rid] = header.get("auth")
+        elif kind == ABORT or (kind == DONE and not sent):
+            self._open.pop(rid, None)
+
+    def _abort(self, rid: str, auth: str | None) -> None:
+        header = {"kind": ABORT, "request_id": rid, "reason": "sender closed the transfer"}
+        if auth is not None:
+            header["auth"] = auth
+        try:
+            self._link.write(Frame(header), min(self._io_timeout, _ABORT_TIMEOUT_S))
+        except TransferError as exc:
+            log.debug("abort of %s not sent: %s", rid, exc)
 
 
 def _no_payloads(header: dict) -> NoReturn:
