@@ -37,11 +37,19 @@ def test_default_plan_is_one_prefill_and_one_decode_node() -> None:
 def test_devices_per_role_and_shared_devices_split_the_memory() -> None:
     plan = plan_nodes(up_args("--prefill", "2", "--decode", "1", "--prefill-devices",
                               "cuda:0,cuda:1", "--decode-devices", "cuda:1"))
-    assert plan == [NodePlan("prefill", "cuda:0", 0.85), NodePlan("prefill", "cuda:1", 0.425),
-                    NodePlan("decode", "cuda:1", 0.425)]
-    # 1P1D on one GPU: each node may hold half of the fraction.
-    plan = plan_nodes(up_args("--device", "cuda", "--gpu-memory-fraction", "0.8"))
-    assert [n.memory_fraction for n in plan] == [0.4, 0.4]
+    # A device with both roles: the prefill nodes take --prefill-share (0.3) of the
+    # fraction, the decode nodes the rest; a device with one role is split evenly.
+    assert [(n.role, n.device) for n in plan] == [
+        ("prefill", "cuda:0"), ("prefill", "cuda:1"), ("decode", "cuda:1")]
+    assert [n.memory_fraction for n in plan] == pytest.approx([0.85, 0.85 * 0.3, 0.85 * 0.7])
+    plan = plan_nodes(up_args("--device", "cuda", "--gpu-memory-fraction", "0.8",
+                              "--prefill-share", "0.25"))
+    assert [n.memory_fraction for n in plan] == pytest.approx([0.2, 0.6])
+    plan = plan_nodes(up_args("--device", "cuda", "--prefill", "2", "--decode", "2"))
+    assert [n.memory_fraction for n in plan] == pytest.approx(
+        [0.85 * 0.15, 0.85 * 0.15, 0.85 * 0.35, 0.85 * 0.35])
+    with pytest.raises(ValueError, match="--prefill-share"):
+        plan_nodes(up_args("--device", "cuda", "--prefill-share", "1"))
 
 
 def test_a_node_that_cannot_start_ends_tandem_up_with_a_clear_error() -> None:
