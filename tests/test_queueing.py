@@ -229,3 +229,60 @@ def test_tandem_up_reaps_a_node_that_dies_and_its_figures_leave_metrics():
         up_node = {labels["node"]: v for n, labels, v in metric_samples(url)
                    if n == "tandem:node_up"}
         assert sorted(up_node.values()) == [0.0, 1.0]
+
+
+def _receiver_connections(port: int) -> int:
+    """Established TCP connections whose local port is `port` (the receiver's side)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                count += 1
+    return count
+
+
+def test_200_requests_pushed_at_once_share_a_few_connections():
+    """1P1D over tcp: 200 requests at once all get their KV pushed (no failed push, no
+    prompt recomputed on the decode node) over a handful of connections."""
+    with cluster(1, 1, SECRET, ["--num-kv-blocks", "1024", "--max-num-seqs", "64",
+                                "--max-model-len", "512"]) as c:
+        import grpc
+
+        from tandem.protos import node_pb2 as pb
+        from tandem.protos import node_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(c.addresses[c.decode[0].pid]) as channel:
+            stub = pb_grpc.NodeStub(channel)
+            health = stub.Health(pb.HealthRequest(), timeout=10,
+                                 metadata=[("x-tandem-cluster", _token())])
+        port = int(health.transfer_address.rsplit(":", 1)[1])
+        peak, done = [0], threading.Event()
+
+        def sample() -> None:
+            while not done.wait(0.05):
+                peak[0] = max(peak[0], _receiver_connections(port))
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            answers = _burst(c.url, 200, max_tokens=4)
+        finally:
+            done.set()
+            sampler.join()
+        assert all(a.done and a.tokens == 4 for a in answers)
+        samples = metric_samples(c.url)
+        failures = [v for n, _, v in samples if n == "tandem:kv_transfer_failures_total"]
+        assert failures == [0.0, 0.0]
+        computed = {labels["node"].split("@")[0]: v for n, labels, v in samples
+                    if n == "tandem:node_prompt_tokens_computed_total"}
+        assert computed["decode"] == 0.0 and computed["prefill"] > 0
+        by_pool = {labels["pool"]: v for n, labels, v in samples
+                   if n == "tandem:router_requests_total"}
+        assert by_pool == {"prefill": 200.0}
+        assert 1 <= peak[0] <= 4, f"the receiver held {peak[0]} connections"
+
+
+def _token() -> str:
+    from tandem.node.auth import token
+    return token(SECRET.encode())
