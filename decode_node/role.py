@@ -8,8 +8,8 @@ the request, frees what it holds when the request ends there, and one thing move
     running    in the engine (its batch, or its waiting queue when computed here): its
                outputs go to its listener on the engine loop's thread
 
-A reservation takes only free blocks and leaves one for each running request to grow
-into, so a running request is never preempted to make room for a queued one.
+A reservation takes only free blocks and leaves one for each request the engine holds
+to grow into, so a running request is never preempted to make room for a queued one.
 
 `abort(rid)` is the one way a request ends early, in whichever stage holds it: the
 prealloc queue drops it, a sink fails (which gives its blocks back to the engine), the
@@ -117,8 +117,13 @@ class DecodeRole:
         return queued.reserved
 
     def _reserve_queued(self, engine: LLMEngine) -> None:
-        """A loop stage: reserve from the head of the queue while blocks are free."""
-        keep_free = len(engine.scheduler.running)
+        """A loop stage: reserve from the head of the queue while blocks are free, less
+        one for each request the engine holds (running, ready to join the batch, or
+        waiting for its KV) to take its next token into: reservations that took those
+        would leave the batch unable to grow (a 256-token prompt needs a new block for
+        its first decoded token)."""
+        s = engine.scheduler
+        keep_free = len(s.running) + len(s.ready) + engine.num_reserved
         while self._prealloc:
             queued = self._prealloc[0]
             if not queued.reserved.cancelled():
