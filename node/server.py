@@ -417,8 +417,8 @@ class NodeService(pb_grpc.NodeServicer):
 
 class _Held:
     """One Generate or Prefill call, the owner of request `rid` while it runs: refused
-    past `max_requests`; its end, unless the request finished, aborts the request in
-    whichever stage holds it (nothing, if it finished)."""
+    past `max_requests`; a call that ends with an error or a cancel (a call returns only
+    once its request finished) aborts the request in whichever stage holds it."""
 
     def __init__(self, service: NodeService, rid: str) -> None:
         if not rid:
@@ -437,8 +437,8 @@ class _Held:
         tasks = self.service._tasks
         if tasks.get(self.rid) is asyncio.current_task():
             del tasks[self.rid]
-        reason = "the call ended" if exc is None else f"the call ended: {exc!r}"
-        self.service.decode.abort(self.rid, reason)
+        if exc is not None:
+            self.service.decode.abort(self.rid, f"the call ended: {exc!r}")
 
 
 async def _until_done(chunks: Chunks, outbox: Outbox) -> None:
