@@ -225,6 +225,12 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help="HTTP port of the API (default: %(default)s)")
     g.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the --model value)")
+    g.add_argument("--http-loop", default="auto", choices=["auto", "asyncio", "uvloop"],
+                   help="the router's event loop: uvloop (installed with tandem), asyncio, or "
+                        "auto: uvloop where installed (default: %(default)s)")
+    g.add_argument("--http-parser", default="auto", choices=["auto", "h11", "httptools"],
+                   help="the router's HTTP/1.1 parser: httptools (installed with tandem), "
+                        "h11, or auto: httptools where installed (default: %(default)s)")
     g.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="a prompt whose tokens missing from the decode node's cache are "
                         "fewer than this is prefilled on the decode node, skipping the "

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 import grpc
 
 from tandem.decode_node.role import DecodeRole, Reservation
+from tandem.engine import trace
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.request import Request
 from tandem.kvtransfer.connector import TransferError
@@ -71,11 +72,14 @@ class Driver:
             return
         timeout = _prefill_timeout(plan, self.timeouts)
         made = await self._reserve(req, timeout + self.timeouts.transfer_grace_s, deadline_s)
+        trace.mark(rid, "decode.reserved")
         head.queued_s = made.queued_s
         first = await self._prefill(msg, plan, made, timeout, head)
+        trace.mark(rid, "decode.prefill_reply")
         if first is not None:
             try:
                 await self._arrival(made.arrival, self.timeouts.transfer_grace_s)
+                trace.mark(rid, "decode.arrived")
                 head.prefilled_by = plan.address  # before the first output is made
                 await asyncio.wrap_future(self.role.start(rid, first, listener))
                 return
@@ -91,6 +95,7 @@ class Driver:
         for a write in flight, so off this loop)."""
         if self.role.agent.holds(req.request_id):
             await asyncio.to_thread(self.role.drop_sink, req.request_id)
+        trace.mark(req.request_id, "decode.compute_here")
         await asyncio.wrap_future(self.role.compute_here(req, listener))
 
     async def close(self) -> None:
@@ -142,6 +147,9 @@ class Driver:
 
     @staticmethod
     async def _arrival(arrival: Future[None], timeout_s: float) -> None:
+        if arrival.done():  # the usual case: the KV landed before the prefill's reply came
+            arrival.result()  # its TransferError, if the sink failed
+            return
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(arrival)), timeout_s)
         except TimeoutError:

@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 
+from tandem.engine import trace
 from tandem.kvtransfer.auth import verify
 from tandem.kvtransfer.connector import (
     PEER,
@@ -339,6 +340,7 @@ class TransferAgent:
 
     def _on_begin(self, header: dict[str, Any], _: torch.Tensor | None, peer: str) -> None:
         rid = header["request_id"]
+        trace.mark(rid, "agent.begin")
         if not verify(self._secret, rid, header.get("auth")):
             # Leave the sink be: its real sender may still begin.
             why = "begin without a valid proof of the cluster secret"
@@ -411,6 +413,7 @@ class TransferAgent:
         if error is not None:
             self._fail(sink, error, notify=True)
         elif ready:
+            trace.mark(rid, "agent.ready")
             sink.done.set()
             _call(self._on_ready, rid)
 
@@ -451,6 +454,7 @@ class TransferAgent:
 
     def _on_end(self, header: dict[str, Any], _: torch.Tensor | None, peer: str) -> None:
         rid = header["request_id"]
+        trace.mark(rid, "agent.end")
         with self._lock:
             sink = self._sinks.get(rid)
             state = None if sink is None or sink.peer != peer else sink.state

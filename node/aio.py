@@ -7,6 +7,7 @@ outputs for every request cost one wake-up, not one each. Calls run in the order
 were posted.
 
 `engine_call(loop, fn)` runs `fn(engine)` on the engine loop's thread and awaits it.
+`new_event_loop()` makes the node's loop.
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ class Bridge:
                 fn(*args)
             except Exception:  # noqa: BLE001 - one caller's bug must not drop the rest
                 log.exception("bridged call %s failed", fn)
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop where it is installed (each hop of a request, a gRPC call or an
+    engine output, costs less host time there), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 async def engine_call(loop: EngineLoop, fn: Callable[[LLMEngine], T]) -> T:

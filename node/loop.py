@@ -34,6 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
 
+from tandem.engine import trace
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestOutput
 
@@ -191,6 +192,7 @@ class EngineLoop:
                 log.exception("engine loop stage %s failed", stage)
 
     def _step(self) -> None:
+        trace.mark("step", "step.begin")
         try:
             outputs = self.engine.step()
         except Exception as exc:  # a bug: fail what is running rather than hang it
@@ -201,6 +203,7 @@ class EngineLoop:
             self._fail_all(exc)
             return
         self._progress_at, self._last_error = time.monotonic(), None
+        trace.mark("step", "step.end")
         for out in outputs:
             self._deliver(out.request_id, out, out.finished)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from tandem.engine import trace
 from tandem.engine.outputs import RequestOutput
 from tandem.node.aio import Bridge
 from tandem.protos import node_pb2 as pb
@@ -33,11 +34,16 @@ class Chunks:
         self.done = asyncio.Event()
         self.error: BaseException | None = None
 
-    def chunk(self, out: RequestOutput, named: bool = False) -> pb.GenerateChunk:
-        chunk = pb.GenerateChunk(token_ids=out.token_ids[self.sent:], text=out.delta)
+    def chunk(self, out: RequestOutput, named: bool = False, text: str | None = None
+              ) -> pb.GenerateChunk:
+        """The chunk of the tokens `out` adds since the last chunk; `text`: their text, if
+        not `out.delta` (outputs merged into one chunk)."""
+        chunk = pb.GenerateChunk(token_ids=out.token_ids[self.sent:],
+                                 text=out.delta if text is None else text)
         if named:
             chunk.request_id = self.request_id
         if self.head is not None:
+            trace.mark(self.request_id, "decode.first_chunk")
             chunk.MergeFrom(self.head)
             self.head = None
         self.sent = len(out.token_ids)
@@ -97,15 +103,22 @@ class Outbox:
         self._queue.put_nowait(None)  # wakes the sender
 
     async def batches(self) -> AsyncIterator[pb.OutputBatch]:
+        """Whatever has queued, as one batch: a request's outputs that queued while the
+        stream was busy (its reader behind the engine) go as one chunk, so a slow reader
+        gets fewer, larger messages rather than falling further behind."""
         yield pb.OutputBatch()  # open
         while not self.closed.is_set():
             item = await self._queue.get()
-            batch = pb.OutputBatch()
+            queued: dict[Chunks, list[RequestOutput]] = {}
             while item is not None:
                 chunks, out = item
-                batch.chunks.append(chunks.chunk(out, named=True))
+                queued.setdefault(chunks, []).append(out)
                 if self._queue.empty():
                     break
                 item = self._queue.get_nowait()
+            batch = pb.OutputBatch()
+            for chunks, outs in queued.items():
+                text = None if len(outs) == 1 else "".join(out.delta for out in outs)
+                batch.chunks.append(chunks.chunk(outs[-1], named=True, text=text))
             if batch.chunks:
                 yield batch

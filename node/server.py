@@ -41,6 +41,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tandem.decode_node.driver import Driver, PrefillFailed, QueueTimeout
 from tandem.decode_node.role import Aborted, DecodeRole
+from tandem.engine import trace
 from tandem.engine.block_pool import BlockEvent
 from tandem.engine.llm_engine import KVCacheFull, LLMEngine
 from tandem.engine.request import Request
@@ -48,7 +49,7 @@ from tandem.kvtransfer.connector import TransferError, get_connector
 from tandem.kvtransfer.index.base import BlockIndex
 from tandem.kvtransfer.layout import KVLayout
 from tandem.node import auth, convert
-from tandem.node.aio import Bridge, engine_call
+from tandem.node.aio import Bridge, engine_call, new_event_loop
 from tandem.node.events import BlockEvents
 from tandem.node.loop import EngineLoop, LoopClosed
 from tandem.node.outbox import CallStream, Chunks, Outbox
@@ -160,7 +161,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.draining = False  # Drain: no new requests until undrained
         self._switching = False  # SetRole: draining, then the other role
         self.loaded_at = time.time()  # the engine came with its weights loaded
-        self.aio = asyncio.new_event_loop()  # every call runs here (`serve`)
+        self.aio = new_event_loop()  # every call runs here (`serve`)
         self.bridge = Bridge(self.aio)
         self.loop = EngineLoop(engine, thread=engine_thread)
         self.layout = KVLayout.of(engine.runner.kv_caches, engine.model_name)
@@ -202,6 +203,7 @@ class NodeService(pb_grpc.NodeServicer):
         plan = request.prefill if request.HasField("prefill") and first is None else None
         outbox = self._outbox(request.subscriber)
         rid = request.request.request_id
+        trace.mark(rid, "decode.generate")
         async with _Held(self, rid):
             # A reserved request is in the engine already (its id is taken, rightly); with
             # a plan, this call reserves it.
@@ -249,9 +251,11 @@ class NodeService(pb_grpc.NodeServicer):
         self._serving(pb.PREFILL)
         sink, first_block = convert.sink_from_pb(request.sink)
         async with _Held(self, request.request.request_id):
+            trace.mark(request.request.request_id, "prefill.call")
             req = await self._request(request.request)
             started = time.monotonic()
             result = await self.prefill.run(req, sink, first_block)
+            trace.mark(req.request_id, "prefill.reply")
         return pb.PrefillReply(first_token=result.first_token, cached_tokens=result.cached_tokens,
                                kv_bytes=result.kv_bytes, prefill_s=time.monotonic() - started)
 

@@ -1,5 +1,6 @@
 """The prefill role over one engine: compute a prompt, push its KV into a decode node's
-sink layer by layer while the later layers compute, and return the first token.
+sink layer by layer while the later layers compute (ipc, which writes the sink itself:
+the whole prompt in one copy once its last layer is computed), and return the first token.
 
 A prompt is batched with the others (chunked prefill, the engine's scheduler). The
 engine thread never waits on the network, only on local memory: in the step that
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from tandem.engine import trace
 from tandem.engine.block_pool import Block
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestOutput
@@ -105,6 +107,10 @@ class PrefillRole:
         self.kv_bytes_sent = 0
         self.kv_transfer_seconds = 0.0  # summed over pushes, the hook to the receiver's done
         self.transfers_failed = 0
+        # A direct connector (ipc) writes the whole prompt in one copy once its last layer
+        # is computed: a copy per layer saves little on one host, and its host work per
+        # layer slowed the engine's own step by a third (Llama-3-8B shape, one H100).
+        self._whole = getattr(connector, "direct", False)
         loop.engine.prefill_hook = self._hook
 
     async def run(self, req: Request, sink: SinkInfo, first_block: int,
@@ -116,6 +122,7 @@ class PrefillRole:
         pending, add = self._begin(req, sink, first_block, timeout_s)
         rid = req.request_id
         await asyncio.wrap_future(self.loop.submit(add))
+        trace.mark(rid, "prefill.added")
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending.result)),
                                           max(0.0, pending.deadline - time.monotonic()))
@@ -177,6 +184,7 @@ class PrefillRole:
         pending = self._pending.get(req.request_id)
         if pending is None or pending.transfer is not None:
             return None
+        trace.mark(req.request_id, "prefill.hook")
         if time.time() >= pending.sink.expires_at:
             pending.error = TransferError(f"the sink for {req.request_id!r} expired before "
                                           f"its prompt was computed")
@@ -188,11 +196,13 @@ class PrefillRole:
             return None
         pool = self.loop.engine.block_pool
         blocks = [pool.blocks[i] for i in src]
+        whole = self._whole
         transfer = _Transfer(
             lambda: KVPush(self.connector, pending.sink, self._rows, src, self.layout,
-                           secret=self._secret, **self._timeouts),
+                           secret=self._secret, all_computed=whole, **self._timeouts),
             self._rows.caches[0].device, pending.deadline,
-            lambda error: self._pushed(pending, transfer, blocks, error))
+            lambda error: self._pushed(pending, transfer, blocks, error),
+            self.layout.num_layers if whole else 0)
         with self._lock:
             if pending.result.done():  # the caller gave up meanwhile
                 return None
@@ -209,6 +219,7 @@ class PrefillRole:
         pending = self._pending.pop(rid, None)
         if pending is None:
             return
+        trace.mark(rid, "prefill.output")
         if isinstance(out, BaseException):
             error = out
         elif out.finish_reason == "abort":
@@ -227,6 +238,7 @@ class PrefillRole:
     def _pushed(self, pending: _Pending, transfer: _Transfer, blocks: list[Block],
                 error: BaseException | None) -> None:
         """A transfer thread's end: every read of `blocks` is done."""
+        trace.mark(pending.sink.request_id, "prefill.pushed")
         self._release(blocks)  # before the result: a call after it sees them back
         with self._lock:
             self._live.discard(transfer)
@@ -284,12 +296,15 @@ class PrefillRole:
 
 
 class _Transfer:
-    """One KV push on its own thread, fed layer by layer from the engine thread."""
+    """One KV push on its own thread, fed layer by layer from the engine thread; or, with
+    `whole` (the number of layers), once, when the last layer is computed."""
 
     def __init__(self, open_push: Callable[[], KVPush], device: torch.device,
-                 deadline: float, on_end: Callable[[BaseException | None], None]) -> None:
+                 deadline: float, on_end: Callable[[BaseException | None], None],
+                 whole: int = 0) -> None:
         self._open_push, self._device = open_push, device
         self._deadline, self._on_end = deadline, on_end
+        self._last = whole - 1  # whole: the one layer handed over (-1: every layer)
         self._items: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kv-push", daemon=True)
         self.started = 0.0  # time.monotonic(), set by the hook
@@ -300,6 +315,8 @@ class _Transfer:
     def layer_done(self, layer: int) -> None:
         """Engine thread, as layer `layer`'s KV is written (on CUDA: enqueued): hand it
         over. Never waits."""
+        if layer < self._last:
+            return
         event = None
         if self._device.type == "cuda":
             event = torch.cuda.Event()
@@ -331,10 +348,19 @@ class _Transfer:
 
     def _push(self) -> None:
         with self._open_push() as push:  # an error leaving the block aborts the push
+            rid = push.sink.request_id
             push.start()
-            for _ in range(push.layout.num_layers):
-                push.send_layer(self._next_layer())
+            trace.mark(rid, "push.started")
+            if self._last >= 0:  # whole: that layer's compute comes after every other's
+                self._next_layer()
+                for layer in range(push.layout.num_layers):
+                    push.send_layer(layer)
+            else:
+                for _ in range(push.layout.num_layers):
+                    push.send_layer(self._next_layer())
+            trace.mark(rid, "push.layers_sent")
             push.finish()
+            trace.mark(rid, "push.done")
 
     def _next_layer(self) -> int:
         """The next computed layer, its compute ordered before the work this thread

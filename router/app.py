@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from tandem.engine import trace
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
 from tandem.node import convert
@@ -191,6 +192,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         call = pb.Request(request_id=rid, prompt_token_ids=ids,
                           sampling=convert.sampling_to_pb(params))
         started = time.monotonic()
+        trace.mark(rid, "router.request")
         chunks = flow.run(call)
         try:
             # Errors before any token are plain HTTP errors; a client that leaves while
@@ -201,6 +203,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
                            kind="server_error") from None
         except StreamBroken as exc:
             raise APIError(str(exc), status=502, kind="server_error") from None
+        trace.mark(rid, "router.first_chunk")
         metrics.ttft.observe(time.monotonic() - started)
         shape = _Shape(rid, settings.model, chat, settings.tokenizer is None)
         headers = {"X-Request-Id": request.headers.get("x-request-id") or rid}

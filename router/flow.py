@@ -197,10 +197,13 @@ class Flow:
         self._cleanup.add(watcher)
         watcher.add_done_callback(self._cleanup.discard)
         finished = False
+        held = None  # taken from the queue while merging chunks, not yet handled
         try:
             ended = False
             while True:
-                if not ended:
+                if held is not None:
+                    item, held = held, None
+                elif not ended:
                     item = await waiting.get()
                 else:
                     try:
@@ -208,6 +211,13 @@ class Flow:
                     except TimeoutError:
                         raise _unavailable("the Generate call ended; its last chunk never "
                                            "came") from None
+                if isinstance(item, pb.GenerateChunk):
+                    # Chunks that queued while the client's stream was busy go as one.
+                    while not item.finish_reason and not waiting.empty():
+                        held = waiting.get_nowait()
+                        if not isinstance(held, pb.GenerateChunk):
+                            break
+                        item, held = _merged(item, held), None
                 if item is _CALL_ENDED:
                     ended = True
                 elif isinstance(item, grpc.aio.AioRpcError):
@@ -268,6 +278,14 @@ class Flow:
             task = asyncio.get_running_loop().create_task(abort(node))
             self._cleanup.add(task)
             task.add_done_callback(self._cleanup.discard)
+
+
+def _merged(first: pb.GenerateChunk, then: pb.GenerateChunk) -> pb.GenerateChunk:
+    """One chunk of two consecutive ones: their tokens and text, the later's end."""
+    text = first.text + then.text
+    first.MergeFrom(then)  # repeated fields append; set scalars (the end's) overwrite
+    first.text = text
+    return first
 
 
 def _unavailable(why: str) -> grpc.aio.AioRpcError:

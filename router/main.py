@@ -82,7 +82,8 @@ def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     app = create_app(router_settings(args, args.prefill or [], args.decode or [],
                                      args.node or []))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                loop=args.http_loop, http=args.http_parser)
     return 0
 
 
@@ -187,7 +188,8 @@ def run_up(args: argparse.Namespace) -> int:
             watched.append((node, child, address))
             print(f"{node.role} node ready at {address} on {node.device}", flush=True)
         app = create_app(router_settings(args, addresses["prefill"], addresses["decode"]))
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                loop=args.http_loop, http=args.http_parser)
         server = uvicorn.Server(config)
         threading.Thread(target=_announce, args=(server, args), daemon=True).start()
         threading.Thread(target=_watch, args=(watched,), daemon=True,

@@ -1,0 +1,33 @@
+"""Where one request's time goes: `mark(request_id, point)` notes the wall-clock time at a
+point of the critical path (router, decode node, prefill node, transfer agent and push)
+when the environment variable TANDEM_TRACE names a file, and does nothing otherwise.
+
+Every process that has it appends one JSON line per mark to that file,
+
+    {"t": 1764104123.123456, "pid": 4242, "rid": "cmpl-...", "at": "prefill.hook"}
+
+with O_APPEND, so lines from the router and every node interleave whole, and on one host
+their times compare (one clock). `benchmarks/ttft_trace.py` turns them into the median
+time between consecutive points. A mark costs one write(2): for tracing runs, not for
+serving under load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+PATH = os.environ.get("TANDEM_TRACE") or None
+_fd: int | None = None
+_pid = 0
+
+
+def mark(request_id: str, point: str) -> None:
+    if PATH is None:
+        return
+    global _fd, _pid
+    if _fd is None or _pid != os.getpid():  # opened once per process (after a fork too)
+        _fd, _pid = os.open(PATH, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), os.getpid()
+    line = json.dumps({"t": time.time(), "pid": _pid, "rid": request_id, "at": point})
+    os.write(_fd, line.encode() + b"\n")
