@@ -121,8 +121,9 @@ class PrefillRole:
         a caller that goes away (cancelled) drops the prompt from the engine."""
         pending, add = self._begin(req, sink, first_block, timeout_s)
         rid = req.request_id
-        await asyncio.wrap_future(self.loop.submit(add))
-        trace.mark(rid, "prefill.added")
+        # Not awaited on its own: this loop's wake-up would come during the prompt's step.
+        self.loop.submit(add).add_done_callback(
+            lambda added: self._not_added(pending, added.exception()))
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending.result)),
                                           max(0.0, pending.deadline - time.monotonic()))
@@ -276,6 +277,15 @@ class PrefillRole:
             transfer = pending.transfer
         if transfer is not None:
             transfer.cancel(error)
+
+    def _not_added(self, pending: _Pending, error: BaseException | None) -> None:
+        """The engine refused the prompt (its id is in use, the loop is closed): the
+        caller gets that error, uncounted."""
+        if error is None:
+            return
+        with self._lock:
+            if not pending.result.done():
+                pending.result.set_exception(error)
 
     def _count_failure(self) -> None:
         with self._lock:

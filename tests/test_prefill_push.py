@@ -208,6 +208,19 @@ def test_the_pushed_kv_is_the_prefill_nodes_own(prefill: Prefill, decode: Decode
     assert prefill.free_blocks() == NUM_BLOCKS
 
 
+def test_a_prompt_whose_id_the_engine_holds_is_refused_uncounted(prefill: Prefill,
+                                                                  decode: Decode) -> None:
+    """The engine has a request of that id (waiting behind a busy loop): the prefill
+    gets the engine's ValueError, not a failed transfer, and nothing is left held."""
+    prefill.loop.submit(lambda e: (e.add(_request("dup", 40, seed=2)), time.sleep(0.3)))
+    sink = decode.reserve("dup", 3)
+    with pytest.raises(ValueError, match="already in use"):
+        prefill.role.prefill(_request("dup", 10), sink, 0)
+    assert prefill.role.transfers_failed == 0
+    assert wait_until(lambda: (prefill.role._pending, prefill.role._live) == ({}, set()))
+    assert wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS)
+
+
 def _slow_proxy(server: socket.socket, to: str, delay_s: float) -> threading.Thread:
     """Accept one connection on `server`, wait `delay_s`, then carry its bytes both ways
     to and from `to` (a tcp address) until either side closes."""
