@@ -18,9 +18,15 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
+# config.json's model_type -> its architecture, for configs that name none.
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder. Qwen2 is `qkv_bias=True`."""
+    """Architecture of a decoder: `architecture` names its family (engine/models), the
+    rest its shape. Qwen2 is Llama with `qkv_bias=True`."""
 
     vocab_size: int
     hidden_size: int
@@ -38,6 +44,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "llama"
+    architecture: str = "LlamaForCausalLM"  # config.json's `architectures[0]`
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -48,7 +55,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], name: str = "llama") -> ModelConfig:
-        """Build from a Hugging Face `config.json` dict (Llama, Mistral, Qwen2)."""
+        """Build from a Hugging Face `config.json` dict (Llama, Mistral, Qwen2, Qwen3)."""
         num_heads = hf["num_attention_heads"]
         rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -66,6 +73,7 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         model_type = hf.get("model_type", "llama")
+        architecture = (hf.get("architectures") or [_ARCHITECTURES.get(model_type, model_type)])[0]
         if model_type != "qwen2" and hf.get("attention_bias"):
             raise ValueError("attention_bias (a bias on o_proj too) is not supported")
         return cls(
@@ -85,14 +93,17 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
+            architecture=architecture,
         )
 
     def to_hf(self) -> dict[str, Any]:
         """The inverse of `from_hf`: a `config.json` dict transformers' LlamaForCausalLM reads."""
+        # Qwen2 is Llama with a bias on q, k and v.
+        arch = ("Qwen2ForCausalLM" if self.qkv_bias and self.architecture == "LlamaForCausalLM"
+                else self.architecture)
         hf: dict[str, Any] = {
-            # Qwen2 is Llama with a bias on q, k and v.
-            "architectures": ["Qwen2ForCausalLM" if self.qkv_bias else "LlamaForCausalLM"],
-            "model_type": "qwen2" if self.qkv_bias else "llama",
+            "architectures": [arch],
+            "model_type": {a: t for t, a in _ARCHITECTURES.items()}.get(arch, "llama"),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

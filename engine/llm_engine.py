@@ -26,7 +26,7 @@ from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.loader import load_model_config, load_tokenizer, load_weights, resolve_model
 from tandem.engine.model_runner import ModelRunner, SampledTokens, num_kv_blocks
-from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.models import model_class
 from tandem.engine.ops import ops_for
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import PENDING_TOKEN, Request, RequestStatus
@@ -71,7 +71,7 @@ class LLMEngine:
         self.attention_backend = attention.name
         with torch.device(device):
             ops = ops_for(attention.name, device)
-            model = LlamaForCausalLM(mc, attention, ops).to(config.dtype)
+            model = model_class(mc.architecture)(mc, attention, ops).to(config.dtype)
         if src.kind == "dummy":
             model.init_dummy_weights(config.seed)
         else:

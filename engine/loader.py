@@ -20,6 +20,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from tandem.engine.config import NAMED_SHAPES, ModelConfig
+from tandem.engine.models import model_class
 from tandem.engine.tokenizer import Tokenizer
 
 LOAD_FORMATS = ("auto", "gguf", "hf", "dummy")
@@ -98,6 +99,7 @@ def load_model_config(src: ModelSource, cache_dir: Path | None = None) -> ModelC
         return NAMED_SHAPES[src.name]
     hf_dir = hf_model_dir(src, cache_dir)
     cfg = ModelConfig.from_hf(json.loads((hf_dir / "config.json").read_text()), name=src.name)
+    model_class(cfg.architecture)  # an unsupported family: said here, before any weight
     # HF generate stops on generation_config's eos ids too (Llama-3 instruct's <|eot_id|>).
     gen_path = hf_dir / "generation_config.json"
     gen_eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.is_file() else None
@@ -108,17 +110,7 @@ def load_model_config(src: ModelSource, cache_dir: Path | None = None) -> ModelC
 
 
 def expected_weight_names(cfg: ModelConfig) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
-        names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-        if cfg.qkv_bias:
-            names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
-    return names
+    return model_class(cfg.architecture).weight_names(cfg)
 
 
 def load_weights(
@@ -146,7 +138,7 @@ def load_weights(
     missing = expected - weights.keys()
     if missing or unexpected:
         raise ValueError(
-            f"{src.name}: checkpoint does not match a Llama model; "
+            f"{src.name}: checkpoint does not match a {cfg.architecture} model; "
             f"missing {sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}"
         )
     return weights

@@ -1,5 +1,7 @@
 """Llama-family decoder over a paged KV cache (Llama 2/3, SmolLM2, Mistral; Qwen2 via
-qkv bias). Parameter names match Hugging Face so checkpoints load as they are."""
+qkv bias). Parameter names match Hugging Face so checkpoints load as they are. A family
+that differs in a part (Qwen3's attention) subclasses that part and names it in its model
+class (`attention_class`)."""
 
 from __future__ import annotations
 
@@ -102,10 +104,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionBackend, ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, ops: Ops,
+                 attention_class: type[Attention] = Attention) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, attention, ops)
+        self.self_attn = attention_class(config, attention, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mlp = MLP(config, ops)
 
@@ -122,22 +125,26 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionBackend, ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, ops: Ops,
+                 attention_class: type[Attention] = Attention) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, attention, ops) for _ in range(config.num_layers)
+            DecoderLayer(config, attention, ops, attention_class)
+            for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
 class LlamaForCausalLM(nn.Module):
+    attention_class: type[Attention] = Attention
+
     def __init__(
         self, config: ModelConfig, attention: AttentionBackend, ops: Ops = TORCH_OPS
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaBody(config, attention, ops)
+        self.model = LlamaBody(config, attention, ops, self.attention_class)
         self.ops = ops
         # A plain attribute, not a buffer: `.to(dtype)` must leave it in fp32.
         self.cos_sin = rope_cos_sin(config)
@@ -167,6 +174,21 @@ class LlamaForCausalLM(nn.Module):
             else self.lm_head.weight
         )
         return self.ops.logits(hidden, weight)
+
+    @classmethod
+    def weight_names(cls, cfg: ModelConfig) -> list[str]:
+        """The Hugging Face tensor names a checkpoint of `cfg` holds."""
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not cfg.tie_word_embeddings:
+            names.append("lm_head.weight")
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+            names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
+            names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+            if cfg.qkv_bias:
+                names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+        return names
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Hugging Face names; q/k/v and gate/up are concatenated into the fused GEMMs."""

@@ -1,0 +1,116 @@
+"""Model families from Hugging Face checkpoints: tiny random models built with
+transformers' own config and model classes, saved with `save_pretrained`, every weight
+perturbed (norms and biases too, so each one matters); Tandem's greedy tokens equal
+transformers', alone and batched, CPU fp32. An architecture Tandem lacks is refused by
+name before any weight is read."""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from hf_reference import hf_greedy
+from serving_helpers import tandem_up
+from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from tandem import LLM, SamplingParams
+from tandem.engine.models import MODELS
+
+NEW_TOKENS = 24
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
+FAMILIES = {
+    # head_dim 32 with 4 heads of a 64-wide model: Qwen3's head_dim is its own.
+    "qwen3": (Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0),
+              Qwen3ForCausalLM),
+    "mistral": (MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=1,
+                              tie_word_embeddings=False, sliding_window=None),
+                MistralForCausalLM),
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def _build(name: str, tmp_path_factory):  # noqa: ANN001, ANN202
+    """The saved model's directory, prompts, and transformers' greedy tokens for them."""
+    config, cls = FAMILIES[name]
+    torch.manual_seed(4321)
+    model = cls(config).eval()
+    with torch.no_grad():  # decisive logits, and norms that are not all ones
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+            elif name.endswith("norm.weight"):
+                p.normal_(1.0, 0.3)
+            else:
+                p.normal_(0.0, 0.3)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (1, 7, 16, 33, 90, 150)]
+    return path, prompts, [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):  # noqa: ANN001, ANN201
+    return _build(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):  # noqa: ANN001, ANN201
+    return _build("qwen3", tmp_path_factory)
+
+
+def test_greedy_tokens_equal_transformers_alone_and_batched(family) -> None:  # noqa: ANN001
+    path, prompts, expected = family
+    llm = LLM(str(path), device="cpu", dtype=torch.float32)
+    for prompt, want in zip(prompts[:3], expected[:3]):
+        assert llm.generate(prompt, GREEDY)[0].token_ids == want
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+def test_qwen3_through_tandem_up(qwen3) -> None:  # noqa: ANN001
+    """1P1D (a prefill and a decode node, the KV pushed over tcp) serves the checkpoint
+    directory: concurrent completions give transformers' tokens."""
+    path, prompts, expected = qwen3
+    flags = ["--model", str(path), "--skip-tokenizer-init", "--num-kv-blocks", "128"]
+    with tandem_up(flags) as (url, _, _):
+        def complete(prompt: list[int]) -> list[int]:
+            body = {"model": str(path), "prompt": prompt, "max_tokens": NEW_TOKENS,
+                    "temperature": 0.0, "ignore_eos": True}
+            request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return json.loads(response.read())["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(complete, prompts)) == expected
+
+
+def test_qwen3_norms_are_loaded_and_used(tmp_path: Path) -> None:
+    """The per-head q/k norms are real weights: a Qwen3 checkpoint without them is
+    refused, naming them."""
+    config, cls = FAMILIES["qwen3"]
+    torch.manual_seed(0)
+    model = cls(config)
+    state = {k: v for k, v in model.state_dict().items() if "q_norm" not in k}
+    model.save_pretrained(tmp_path, state_dict=state)
+    with pytest.raises(ValueError, match="q_norm"):
+        LLM(str(tmp_path), device="cpu", dtype=torch.float32)
+
+
+def test_an_unsupported_architecture_is_refused_by_name(tmp_path: Path) -> None:
+    config, cls = FAMILIES["mistral"]
+    cls(config).save_pretrained(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf["architectures"] = ["GPTNeoXForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*supported: .*Qwen3ForCausalLM"):
+        LLM(str(tmp_path), device="cpu", dtype=torch.float32)
+    assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+            "Qwen3ForCausalLM"} <= set(MODELS)
