@@ -20,7 +20,8 @@ class RopeScaling:
 
 # config.json's model_type -> its architecture, for configs that name none.
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     name: str = "llama"
     architecture: str = "LlamaForCausalLM"  # config.json's `architectures[0]`
+    # Mixture of experts; 0 experts: every layer is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # every n-th layer has experts (Qwen3-MoE)
+    mlp_only_layers: tuple[int, ...] = ()  # layers that stay dense (Qwen3-MoE)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -52,6 +60,10 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+
+    def has_experts(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], name: str = "llama") -> ModelConfig:
@@ -76,6 +88,14 @@ class ModelConfig:
         architecture = (hf.get("architectures") or [_ARCHITECTURES.get(model_type, model_type)])[0]
         if model_type != "qwen2" and hf.get("attention_bias"):
             raise ValueError("attention_bias (a bias on o_proj too) is not supported")
+        max_positions = hf.get("max_position_embeddings", 4096)
+        window = hf.get("sliding_window")
+        if window and hf.get("use_sliding_window", True):
+            # Every layer attends to the last `window` tokens only (Mistral v0.1, Mixtral):
+            # until the kernels do that, the context stops there, where it equals full
+            # attention.
+            max_positions = min(max_positions, int(window))
+        experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -84,7 +104,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
             rope_theta=float(theta),
             rope_scaling=scaling,
@@ -94,6 +114,14 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             name=name,
             architecture=architecture,
+            num_experts=experts,
+            num_experts_per_tok=hf.get("num_experts_per_tok", 0) if experts else 0,
+            # Mixtral's experts are intermediate_size wide and always renormalised.
+            moe_intermediate_size=(hf.get("moe_intermediate_size") or hf["intermediate_size"]
+                                   if experts else 0),
+            norm_topk_prob=hf.get("norm_topk_prob", model_type == "mixtral") if experts else True,
+            decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -117,6 +145,16 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
         }
+        if self.num_experts and arch == "MixtralForCausalLM":
+            hf.update(num_local_experts=self.num_experts,
+                      intermediate_size=self.moe_intermediate_size,
+                      num_experts_per_tok=self.num_experts_per_tok)
+        elif self.num_experts:
+            hf.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                      moe_intermediate_size=self.moe_intermediate_size,
+                      norm_topk_prob=self.norm_topk_prob,
+                      decoder_sparse_step=self.decoder_sparse_step,
+                      mlp_only_layers=list(self.mlp_only_layers))
         if self.rope_scaling is not None:
             hf["rope_scaling"] = {"rope_type": "llama3", **self.rope_scaling.__dict__}
         if self.bos_token_id is not None:
@@ -149,6 +187,26 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
         vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
         num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048,
         eos_token_ids=(), name="tiny",
+    ),
+    "qwen3-8b": ModelConfig(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+        num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, eos_token_ids=(151645,),
+        name="qwen3-8b", architecture="Qwen3ForCausalLM",
+    ),
+    "qwen3-30b-a3b": ModelConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, eos_token_ids=(151645,),
+        name="qwen3-30b-a3b", architecture="Qwen3MoeForCausalLM", num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    ),
+    "mixtral-8x7b": ModelConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=32768,
+        rope_theta=1000000.0, eos_token_ids=(2,), name="mixtral-8x7b",
+        architecture="MixtralForCausalLM", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=14336, norm_topk_prob=True,
     ),
 }
 

@@ -102,9 +102,11 @@ class LLMEngine:
             sched.max_num_seqs, sched.max_num_batched_tokens, max_len,
         )
         # Decode-only steps replay CUDA graphs; they need a backend whose per-layer work
-        # reads only tensors (triton), and cost memory and start-up time.
+        # reads only tensors (triton), a model whose work does not depend on the values
+        # (the experts' reference does), and cost memory and start-up time.
         self.cuda_graphs = (
             device.type == "cuda" and attention.name == "triton" and not config.enforce_eager
+            and not model.data_dependent
         )
         if self.cuda_graphs:
             graphs = DecodeGraphs(

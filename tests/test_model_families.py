@@ -16,9 +16,19 @@ import pytest
 import torch
 from hf_reference import hf_greedy
 from serving_helpers import tandem_up
-from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from tandem import LLM, SamplingParams
+from tandem.engine.config import NAMED_SHAPES, ModelConfig
 from tandem.engine.models import MODELS
 
 NEW_TOKENS = 24
@@ -32,6 +42,18 @@ FAMILIES = {
     "mistral": (MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=1,
                               tie_word_embeddings=False, sliding_window=None),
                 MistralForCausalLM),
+    # 8 experts, 2 a token: with 150-token prompts every expert gets tokens.
+    "mixtral": (MixtralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                              num_local_experts=8, num_experts_per_tok=2,
+                              tie_word_embeddings=False, sliding_window=None),
+                MixtralForCausalLM),
+    # Layer 0 dense (mlp_only_layers), layer 1 with experts; weights not renormalised.
+    "qwen3-moe": (Qwen3MoeConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=32, num_experts=8, num_experts_per_tok=3,
+                                 moe_intermediate_size=48, norm_topk_prob=False,
+                                 decoder_sparse_step=1, mlp_only_layers=[0],
+                                 tie_word_embeddings=True),
+                  Qwen3MoeForCausalLM),
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
@@ -61,9 +83,9 @@ def family(request, tmp_path_factory):  # noqa: ANN001, ANN201
     return _build(request.param, tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):  # noqa: ANN001, ANN201
-    return _build("qwen3", tmp_path_factory)
+@pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])
+def served(request, tmp_path_factory):  # noqa: ANN001, ANN201
+    return _build(request.param, tmp_path_factory)
 
 
 def test_greedy_tokens_equal_transformers_alone_and_batched(family) -> None:  # noqa: ANN001
@@ -74,10 +96,10 @@ def test_greedy_tokens_equal_transformers_alone_and_batched(family) -> None:  # 
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 
-def test_qwen3_through_tandem_up(qwen3) -> None:  # noqa: ANN001
+def test_served_through_tandem_up(served) -> None:  # noqa: ANN001
     """1P1D (a prefill and a decode node, the KV pushed over tcp) serves the checkpoint
     directory: concurrent completions give transformers' tokens."""
-    path, prompts, expected = qwen3
+    path, prompts, expected = served
     flags = ["--model", str(path), "--skip-tokenizer-init", "--num-kv-blocks", "128"]
     with tandem_up(flags) as (url, _, _):
         def complete(prompt: list[int]) -> list[int]:
@@ -112,5 +134,14 @@ def test_an_unsupported_architecture_is_refused_by_name(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*supported: .*Qwen3ForCausalLM"):
         LLM(str(tmp_path), device="cpu", dtype=torch.float32)
-    assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-            "Qwen3ForCausalLM"} <= set(MODELS)
+    assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+            "MixtralForCausalLM", "Qwen3MoeForCausalLM"} <= set(MODELS)
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_SHAPES))
+def test_named_shapes_round_trip_through_config_json(name: str) -> None:
+    """Every named shape (`--load-format dummy`), MoE ones included, is the config.json
+    it writes, read back: benchmarks build transformers' model of the same shape from it."""
+    shape = NAMED_SHAPES[name]
+    assert ModelConfig.from_hf(shape.to_hf(), name=name) == shape
+    assert shape.architecture in MODELS

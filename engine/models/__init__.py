@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.models.mixtral import MixtralForCausalLM
 from tandem.engine.models.qwen3 import Qwen3ForCausalLM
+from tandem.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # Mistral and Qwen2 are Llama's structure (Qwen2 with a bias on q, k and v).
 MODELS: dict[str, type[LlamaForCausalLM]] = {
@@ -11,6 +13,8 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

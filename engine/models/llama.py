@@ -105,12 +105,12 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, attention: AttentionBackend, ops: Ops,
-                 attention_class: type[Attention] = Attention) -> None:
+                 attention_class: type[Attention], mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = attention_class(config, attention, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MLP(config, ops)
+        self.mlp = mlp
 
     def forward(self, x, residual, positions, cos_sin, kv_cache, state):  # noqa: ANN001, ANN201
         # The residual stream is carried beside x so each norm adds it in the same kernel:
@@ -126,12 +126,13 @@ class DecoderLayer(nn.Module):
 
 class LlamaBody(nn.Module):
     def __init__(self, config: ModelConfig, attention: AttentionBackend, ops: Ops,
-                 attention_class: type[Attention] = Attention) -> None:
+                 attention_class: type[Attention],
+                 mlp_for: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, attention, ops, attention_class)
-            for _ in range(config.num_layers)
+            DecoderLayer(config, attention, ops, attention_class, mlp_for(i))
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -144,7 +145,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaBody(config, attention, ops, self.attention_class)
+        self.model = LlamaBody(config, attention, ops, self.attention_class,
+                               lambda i: self.make_mlp(config, i, ops))
         self.ops = ops
         # A plain attribute, not a buffer: `.to(dtype)` must leave it in fp32.
         self.cos_sin = rope_cos_sin(config)
@@ -174,6 +176,16 @@ class LlamaForCausalLM(nn.Module):
             else self.lm_head.weight
         )
         return self.ops.logits(hidden, weight)
+
+    @classmethod
+    def make_mlp(cls, config: ModelConfig, layer: int, ops: Ops) -> nn.Module:
+        """Layer `layer`'s feed-forward block (a family with experts overrides this)."""
+        return MLP(config, ops)
+
+    @property
+    def data_dependent(self) -> bool:
+        """Whether a step's work depends on its values (a CUDA graph cannot hold it)."""
+        return False
 
     @classmethod
     def weight_names(cls, cfg: ModelConfig) -> list[str]:
