@@ -5,14 +5,30 @@ the family says so); their SwiGLU outputs, weighted, are summed.
 
 `fused_moe_ref` is the torch reference: per expert, the tokens routed to it, in expert
 order, as transformers computes it (so fp32 results match it exactly). It is
-data-dependent (which experts are hit), so a CUDA graph cannot hold it: the engine runs
-MoE models eagerly until the Triton grouped GEMM (tokens sorted by expert) lands.
+data-dependent (which experts are hit), so a CUDA graph cannot hold it. `fused_moe` has
+only fixed sizes; until a GPU run has checked it under CUDA graphs, models with experts
+run eagerly (`data_dependent` in engine/models).
+
+`fused_moe` is the grouped GEMM (vLLM's `fused_moe` scheme): the T*k (token, slot) pairs
+are sorted by expert and each expert's run padded to a multiple of BLOCK_M (`align`, torch
+ops of fixed sizes), so every BLOCK_M rows of the sorted order belong to one expert; one
+kernel computes x @ gate_up[e].T for those rows (each row reads its token's x), SwiGLU
+follows, and the same kernel computes act @ down[e].T times the pair's routing weight,
+written at the pair's row; the k rows of a token are summed last.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build: the torch reference does the work
+    triton = None
+
+BLOCK_M = 16  # sorted rows per program: each expert's run is padded to a multiple of it
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
@@ -39,3 +55,97 @@ def fused_moe_ref(x: torch.Tensor,  # [T, D]
         y = F.linear(F.silu(gate) * up, down[expert])
         out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(x.dtype))
     return out
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs of `ids` [T, k] (pair p = t * k + slot) sorted by expert,
+    each expert's run padded to a multiple of `block_m` with the pair count T * k (no
+    pair): `sorted_pairs` [R]; and each block of `block_m` rows' expert, -1 past the
+    last run: `block_expert` [R / block_m]. R = T*k + E*(block_m - 1), rounded up to a
+    block: sizes fixed by the shapes, no value read back to the host."""
+    flat = ids.flatten()
+    n, device = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    run_end = padded.cumsum(0)
+    order = torch.sort(flat, stable=True).indices  # pairs, by expert, in pair order
+    experts = flat[order]
+    rank = torch.arange(n, device=device) - (counts.cumsum(0) - counts)[experts]
+    rows = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
+    sorted_pairs = torch.full((rows,), n, dtype=torch.long, device=device)
+    sorted_pairs[(run_end - padded)[experts] + rank] = order
+    block_start = torch.arange(0, rows, block_m, device=device)
+    block_expert = torch.searchsorted(run_end, block_start, right=True)
+    return sorted_pairs, torch.where(block_expert < num_experts, block_expert, -1)
+
+
+def fused_moe(x: torch.Tensor,  # [T, D], unit last stride
+              router_logits: torch.Tensor,  # [T, E]
+              gate_up: torch.Tensor,  # [E, 2F, D] contiguous
+              down: torch.Tensor,  # [E, D, F] contiguous
+              top_k: int, renormalize: bool) -> torch.Tensor:  # [T, D]
+    assert triton is not None, "Triton is not installed"
+    from tandem.kernels.silu_mul import silu_mul  # (one import cycle less at load)
+
+    t, d = x.shape
+    e, two_f, _ = gate_up.shape
+    weights, ids = route(router_logits, top_k, renormalize)
+    sorted_pairs, block_expert = align(ids, e)
+    h = torch.empty((t * top_k, two_f), dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, gate_up, h, None, sorted_pairs, block_expert, top_k)
+    act = silu_mul(h)
+    y = torch.empty((t * top_k, d), dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, down, y, weights.flatten(), sorted_pairs, block_expert, 1)
+    return y.view(t, top_k, d).float().sum(1).to(x.dtype)
+
+
+def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                  weights: torch.Tensor | None, sorted_pairs: torch.Tensor,
+                  block_expert: torch.Tensor, rows_per_a: int) -> None:
+    """c[p] = a[p // rows_per_a] @ b[expert(p)].T (times weights[p]), for every pair p
+    in `sorted_pairs`."""
+    n, k = b.shape[1], b.shape[2]
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, b, c, weights if weights is not None else c, sorted_pairs, block_expert,
+        c.shape[0], n, k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        ROWS_PER_A=rows_per_a, WEIGHTED=weights is not None, IEEE=a.dtype == torch.float32,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _grouped_gemm_kernel(a, b, c, weights, sorted_pairs, block_expert, num_pairs, n, k,
+                             a_row, b_expert, b_row, c_row, ROWS_PER_A: tl.constexpr,
+                             WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+        block = tl.program_id(0)
+        expert = tl.load(block_expert + block).to(tl.int64)
+        if expert < 0:
+            return  # past the last expert's run
+        pairs = tl.load(sorted_pairs + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = pairs < num_pairs
+        a_rows = (pairs // ROWS_PER_A).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            a_tile = tl.load(a + a_rows[:, None] * a_row + ks[None, :],
+                             mask=valid[:, None] & (ks[None, :] < k), other=0.0)
+            b_tile = tl.load(b + expert * b_expert + cols[None, :] * b_row + ks[:, None],
+                             mask=(cols[None, :] < n) & (ks[:, None] < k), other=0.0)
+            if IEEE:
+                acc += tl.dot(a_tile, b_tile, input_precision="ieee")
+            else:
+                acc += tl.dot(a_tile, b_tile)
+        if WEIGHTED:
+            w = tl.load(weights + pairs, mask=valid, other=0.0).to(tl.float32)
+            acc = acc * w[:, None]
+        out = c + pairs.to(tl.int64)[:, None] * c_row + cols[None, :]
+        tl.store(out, acc.to(c.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < n))
