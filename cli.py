@@ -231,6 +231,11 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--http-parser", default="auto", choices=["auto", "h11", "httptools"],
                    help="the router's HTTP/1.1 parser: httptools (installed with tandem), "
                         "h11, or auto: httptools where installed (default: %(default)s)")
+    g.add_argument("--generation-config", default="auto", choices=["auto", "none"],
+                   help="auto: sampling fields a request leaves unset (temperature, top_p, "
+                        "top_k, min_p, repetition_penalty) come from the model directory's "
+                        "generation_config.json, as vLLM does; none: Tandem's own defaults "
+                        "(default: %(default)s)")
     g.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="a prompt whose tokens missing from the decode node's cache are "
                         "fewer than this is prefilled on the decode node, skipping the "

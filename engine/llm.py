@@ -9,6 +9,7 @@ import torch
 
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, parse_dtype
 from tandem.engine.llm_engine import LLMEngine, run_to_completion
+from tandem.engine.loader import load_generation_defaults, resolve_model
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
@@ -62,6 +63,14 @@ class LLM:
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        # generate() without params samples with the model's generation_config.json.
+        self._defaults = load_generation_defaults(resolve_model(config.model,
+                                                                config.load_format))
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use without params: SamplingParams() with the
+        fields the model's generation_config.json sets (as vLLM's)."""
+        return SamplingParams(**self._defaults)
 
     def get_tokenizer(self) -> Tokenizer:
         if self.engine.tokenizer is None:
@@ -77,7 +86,8 @@ class LLM:
         """One output per prompt, in order. Every prompt is validated before any runs,
         so a bad one raises ValueError (naming its index) and nothing else is affected."""
         batch = _as_prompt_list(prompts)
-        params_list = _as_params_list(params, len(batch))
+        params_list = _as_params_list(
+            self.get_default_sampling_params() if params is None else params, len(batch))
         reqs = []
         for i, (prompt, p) in enumerate(zip(batch, params_list)):
             try:

@@ -109,6 +109,24 @@ def load_model_config(src: ModelSource, cache_dir: Path | None = None) -> ModelC
     return cfg
 
 
+# What a request leaves unset comes from the model's generation_config.json, as vLLM does
+# by default: these fields only (not do_sample, num_beams, ...).
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def load_generation_defaults(src: ModelSource, cache_dir: Path | None = None
+                             ) -> dict[str, float | int]:
+    """The sampling defaults a checkpoint directory's generation_config.json sets (empty
+    for a GGUF file, a dummy model, or a directory without one)."""
+    if src.kind != "hf":
+        return {}
+    path = hf_model_dir(src, cache_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    gen = json.loads(path.read_text())
+    return {k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None}
+
+
 def expected_weight_names(cfg: ModelConfig) -> list[str]:
     return model_class(cfg.architecture).weight_names(cfg)
 

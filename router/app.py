@@ -65,6 +65,8 @@ class RouterSettings:
     cluster_secret: bytes | None = None  # every call to a node carries it (node/auth.py)
     nodes: list[str] = field(default_factory=list)  # host:port, role learned from Health
     planner: PlannerSettings = field(default_factory=PlannerSettings)
+    # Sampling fields a request leaves unset take these (the model's generation_config).
+    generation_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 def create_app(settings: RouterSettings) -> FastAPI:
@@ -155,7 +157,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
             need_tokenizer("stop strings cannot match; use stop_token_ids", "stop")
         ids = await asyncio.to_thread(_tokens, settings.tokenizer, prompt, vocab_size)
         params = body.sampling_params(_max_tokens(len(ids), body.max_tokens, None),
-                                      DEFAULT_MAX_TOKENS)
+                                      DEFAULT_MAX_TOKENS, settings.generation_defaults)
         return await _respond(request, body, ids, params, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -168,7 +170,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
         ids = await asyncio.to_thread(_tokens, settings.tokenizer, text, vocab_size)
         asked = body.max_completion_tokens or body.max_tokens
         max_tokens = _max_tokens(len(ids), asked, limits.default_chat_max_tokens)
-        params = body.sampling_params(max_tokens, DEFAULT_MAX_TOKENS)
+        params = body.sampling_params(max_tokens, DEFAULT_MAX_TOKENS,
+                                      settings.generation_defaults)
         return await _respond(request, body, ids, params, chat=True)
 
     def _max_tokens(num_prompt: int, asked: int | None, default: int | None) -> int | None:

@@ -19,7 +19,12 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from tandem.engine.loader import load_model_config, load_tokenizer, resolve_model
+from tandem.engine.loader import (
+    load_generation_defaults,
+    load_model_config,
+    load_tokenizer,
+    resolve_model,
+)
 from tandem.node.auth import CLUSTER_SECRET_ENV, read_secret
 from tandem.router.app import RouterSettings, create_app
 from tandem.router.flow import FlowConfig
@@ -61,10 +66,16 @@ def router_settings(args: argparse.Namespace, prefill: Sequence[str],
         api_key=read_secret(args.api_key, args.api_key_file, "TANDEM_API_KEY"),
         admin_token=read_secret(args.admin_token, args.admin_token_file, "TANDEM_ADMIN_TOKEN"),
         protect_metrics=args.protect_metrics)
+    defaults = load_generation_defaults(src) if args.generation_config == "auto" else {}
+    if defaults:
+        log.info("sampling fields a request leaves unset come from the model's "
+                 "generation_config.json: %s (--generation-config none: Tandem's defaults)",
+                 defaults)
     return RouterSettings(args.served_model_name or args.model, tokenizer, list(prefill),
                           list(decode), flow_config(args), args.max_model_len, args.index,
                           load_model_config(src).vocab_size, limits, credentials,
-                          cluster_secret(args), list(nodes), planner_settings(args))
+                          cluster_secret(args), list(nodes), planner_settings(args),
+                          defaults)
 
 
 def planner_settings(args: argparse.Namespace) -> PlannerSettings:

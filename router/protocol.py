@@ -101,8 +101,11 @@ class _Sampling(BaseModel):
             raise APIError(f"a stop string may have at most {limits.max_stop_chars} "
                            f"characters", "stop")
 
-    def sampling_params(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
-        """The engine's parameters; raises APIError naming the first bad one."""
+    def sampling_params(self, max_tokens: int | None, default_max_tokens: int,
+                        defaults: dict[str, float | int] | None = None) -> SamplingParams:
+        """The engine's parameters, `defaults` (the model's generation_config.json) for
+        the sampling fields the request leaves unset; raises APIError naming the first
+        bad one."""
         if max_tokens is not None and max_tokens <= 0:
             raise APIError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
         fields = {
@@ -111,6 +114,9 @@ class _Sampling(BaseModel):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens,
         }
+        for name, value in (defaults or {}).items():
+            if fields.get(name, 0) is None:
+                fields[name] = value
         kwargs = {k: v for k, v in fields.items() if v is not None}
         if kwargs.get("top_k") == -1:  # vLLM's "no top-k"
             del kwargs["top_k"]
