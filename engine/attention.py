@@ -63,6 +63,8 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         state: Any,  # what build returned
         scale: float,
+        window: int | None = None,  # keys fewer than this many positions back only
+        softcap: float | None = None,  # scores through softcap * tanh(s / softcap)
     ) -> torch.Tensor:  # [T, Hq, D]
         """Store k/v at their slots, then attend over the paged cache."""
 

@@ -40,9 +40,11 @@ class TorchAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         state: TorchState,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         store_kv_ref(k, v, kv_cache, state.slots)
         return paged_attention_ref(
             q, kv_cache, state.meta.block_tables, state.seq_lens, state.query_start, scale,
-            state.decode, k, v,
+            state.decode, k, v, window, softcap,
         )

@@ -46,7 +46,12 @@ class TritonAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         state: TritonState,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        if window is not None or softcap is not None:  # (refused at load: supports())
+            raise NotImplementedError("the triton kernels take no sliding window or "
+                                      "soft-capping yet")
         m = state.meta
         store_kv(k, v, kv_cache, m.slot_mapping)
         if m.is_decode:

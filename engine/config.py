@@ -21,7 +21,8 @@ class RopeScaling:
 # config.json's model_type -> its architecture, for configs that name none.
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,14 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1  # every n-th layer has experts (Qwen3-MoE)
     mlp_only_layers: tuple[int, ...] = ()  # layers that stay dense (Qwen3-MoE)
+    # Gemma: sliding-window layers, soft-capping, its own attention scale and RoPE bases.
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()  # the layers that attend within the window
+    attn_softcap: float = 0.0  # 0: none
+    final_softcap: float = 0.0
+    query_pre_attn_scalar: float = 0.0  # the attention scale is its -1/2 power; 0: head_dim's
+    local_rope_theta: float = 0.0  # the sliding layers' RoPE base; 0: rope_theta
+    rope_linear_factor: float = 0.0  # positions divided by it (linear RoPE scaling); 0: none
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -90,13 +99,14 @@ class ModelConfig:
             raise ValueError("attention_bias (a bias on o_proj too) is not supported")
         max_positions = hf.get("max_position_embeddings", 4096)
         window = hf.get("sliding_window")
-        if window and hf.get("use_sliding_window", True):
+        gemma = model_type in ("gemma2", "gemma3_text")
+        if window and hf.get("use_sliding_window", True) and not gemma:
             # Every layer attends to the last `window` tokens only (Mistral v0.1, Mixtral):
             # until the kernels do that, the context stops there, where it equals full
             # attention.
             max_positions = min(max_positions, int(window))
         experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
-        return cls(
+        config = cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -123,6 +133,7 @@ class ModelConfig:
             decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
             mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
         )
+        return _gemma(config, hf, model_type) if gemma else config
 
     def to_hf(self) -> dict[str, Any]:
         """The inverse of `from_hf`: a `config.json` dict transformers' LlamaForCausalLM reads."""
@@ -155,6 +166,21 @@ class ModelConfig:
                       norm_topk_prob=self.norm_topk_prob,
                       decoder_sparse_step=self.decoder_sparse_step,
                       mlp_only_layers=list(self.mlp_only_layers))
+        if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+            full: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+            if self.rope_linear_factor:
+                full = {**full, "rope_type": "linear", "factor": self.rope_linear_factor}
+            hf.update(
+                hidden_activation="gelu_pytorch_tanh", sliding_window=self.sliding_window,
+                layer_types=["sliding_attention" if i in self.sliding_layers else
+                             "full_attention" for i in range(self.num_layers)],
+                query_pre_attn_scalar=_number(self.query_pre_attn_scalar) or None,
+                attn_logit_softcapping=self.attn_softcap or None,
+                final_logit_softcapping=self.final_softcap or None,
+                rope_parameters=full if arch == "Gemma2ForCausalLM" else {
+                    "full_attention": full,
+                    "sliding_attention": {"rope_type": "default",
+                                          "rope_theta": self.local_rope_theta or self.rope_theta}})
         if self.rope_scaling is not None:
             hf["rope_scaling"] = {"rope_type": "llama3", **self.rope_scaling.__dict__}
         if self.bos_token_id is not None:
@@ -163,6 +189,44 @@ class ModelConfig:
             hf["eos_token_id"] = list(self.eos_token_ids)
         return hf
 
+
+
+def _number(x: float) -> float | int:
+    """An integral float as an int (transformers' configs check the type)."""
+    return int(x) if float(x).is_integer() else x
+
+
+def _gemma(config: ModelConfig, hf: dict[str, Any], model_type: str) -> ModelConfig:
+    """Gemma 2 / Gemma 3 text's fields of `config.json` (either transformers' current
+    `rope_parameters` per layer type or the older rope_theta / rope_local_base_freq)."""
+    n = config.num_layers
+    pattern = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else
+                                      "full_attention" for i in range(n)]
+    window = int(hf.get("sliding_window") or 0)
+    fields: dict[str, Any] = {
+        "sliding_window": window,
+        "sliding_layers": tuple(i for i, t in enumerate(types)
+                                if t == "sliding_attention") if window else (),
+        "attn_softcap": float(hf.get("attn_logit_softcapping") or 0.0),
+        "final_softcap": float(hf.get("final_logit_softcapping") or 0.0),
+        "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or 0.0),
+        "rope_scaling": None,
+    }
+    params = hf.get("rope_parameters") or {}
+    full = params.get("full_attention") or params or {
+        "rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
+    fields["rope_theta"] = float(full.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = full.get("rope_type", full.get("type", "default"))
+    if kind == "linear":
+        fields["rope_linear_factor"] = float(full["factor"])
+    elif kind not in ("default", None):
+        raise ValueError(f"unsupported rope scaling type {kind!r}")
+    if model_type == "gemma3_text":
+        local = params.get("sliding_attention") or {
+            "rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+        fields["local_rope_theta"] = float(local["rope_theta"])
+    return replace(config, **fields)
 
 # Shapes for `load_format="dummy"` (random weights), like vLLM's `--load-format dummy`.
 NAMED_SHAPES: dict[str, ModelConfig] = {
@@ -207,6 +271,14 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
         rope_theta=1000000.0, eos_token_ids=(2,), name="mixtral-8x7b",
         architecture="MixtralForCausalLM", num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=14336, norm_topk_prob=True,
+    ),
+    "gemma-3-12b": ModelConfig(
+        vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_layers=48,
+        num_heads=16, num_kv_heads=8, head_dim=256, max_position_embeddings=131072,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+        eos_token_ids=(1, 106), name="gemma-3-12b", architecture="Gemma3ForCausalLM",
+        sliding_window=1024, sliding_layers=tuple(i for i in range(48) if (i + 1) % 6),
+        query_pre_attn_scalar=256.0, local_rope_theta=10000.0, rope_linear_factor=8.0,
     ),
 }
 

@@ -12,6 +12,7 @@ layer by layer wait for the previous step first and run as before."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -34,6 +35,8 @@ from tandem.engine.sampler import Sampler, SamplerOutput, on_device
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.tokenizer import IncrementalDetokenizer, find_stop_string
+
+log = logging.getLogger(__name__)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -65,9 +68,17 @@ class LLMEngine:
         self.model_config = mc = load_model_config(src)
         device = _resolve_device(config.device)
         torch.manual_seed(config.seed)
-        attention = make_backend(
-            config.attention_backend, device, config.cache.block_size, mc.num_kv_heads
-        )
+        backend = config.attention_backend
+        if mc.sliding_layers or mc.attn_softcap:
+            # The Triton kernels take no sliding window or soft-capping yet.
+            if backend == "triton":
+                raise ValueError(f"{mc.architecture} needs a sliding window or soft-capped "
+                                 f"attention, which only attention_backend='torch' has")
+            if backend is None and device.type == "cuda":
+                log.warning("%s: the torch attention backend (the Triton kernels take no "
+                            "sliding window or soft-capping yet)", mc.architecture)
+            backend = "torch"
+        attention = make_backend(backend, device, config.cache.block_size, mc.num_kv_heads)
         self.attention_backend = attention.name
         with torch.device(device):
             ops = ops_for(attention.name, device)

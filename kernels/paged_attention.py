@@ -3,7 +3,9 @@ reference; runs on CPU and CUDA).
 
 Sequence b owns queries [query_start[b], query_start[b+1]) which are the *last*
 q_len of its seq_lens[b] tokens; every token's K/V (the new ones included) is
-already in the cache.
+already in the cache. `window`: a query sees only the keys less than `window` positions
+before it (Gemma's and Mistral's sliding layers); `softcap`: scores go through
+softcap * tanh(s / softcap) before the softmax (Gemma 2).
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ def paged_attention_ref(
     decode: DecodeRows | None = None,  # precomputed once per step; built here if None
     k: torch.Tensor | None = None,  # [T, Hkv, D]: the step's new K/V, as stored
     v: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """With the step's own `k` and `v`, a row whose every token is new (a whole prompt)
     attends to them where they are rather than to a copy gathered from its blocks."""
@@ -98,25 +102,31 @@ def paged_attention_ref(
     out = torch.empty_like(q)
     if decode is None:
         decode = DecodeRows.of(block_tables, seq_lens, query_start, kv_cache.shape[2])
-    if decode is not None:
+    if decode is not None and window is None and softcap is None:
         _decode_batched(q, kv_cache, decode, scale, out)
+        decoded = True
+    else:
+        decoded = False
     for b in range(len(seq_lens)):
         start, end, length = query_start[b], query_start[b + 1], seq_lens[b]
-        if end - start <= 1:
+        if end == start or (end - start == 1 and decoded):
             continue
         if k is not None and end - start == length:
             kb, vb = k[start:end], v[start:end]
         else:
             kb = _gather(kv_cache[0], block_tables[b], length)  # [L, Hkv, D]
             vb = _gather(kv_cache[1], block_tables[b], length)
-        out[start:end] = _attend(q[start:end], kb, vb, scale)
+        out[start:end] = _attend(q[start:end], kb, vb, scale, window, softcap)
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     # q: [Q, Hq, D], k/v: [L, Hkv, D], Q <= L; query i sits at position L - Q + i.
     n_q, length = q.shape[0], k.shape[0]
     groups = q.shape[1] // k.shape[1]
+    if window is not None or softcap is not None:
+        return _attend_masked(q, k, v, scale, window, softcap)
     # [1, H, L, D]: the CPU's flash kernel takes 4-D inputs only (3-D ones fall to the
     # math path, 16 of a 120-token prefill's 144 ms on SmolLM2), and no enable_gqa.
     qh = q.transpose(0, 1)[None]  # [1, Hq, Q, D]
@@ -129,6 +139,28 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
         mask = pos[None, :] <= (pos[length - n_q :, None])  # [Q, L]
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return o[0].transpose(0, 1)
+
+
+def _attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   window: int | None, softcap: float | None) -> torch.Tensor:
+    """`_attend` with a sliding window and soft-capped scores, spelled out as transformers'
+    eager attention computes it: scores in q's dtype, softmax in fp32."""
+    n_q, length = q.shape[0], k.shape[0]
+    groups = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1)  # [Hq, Q, D]
+    kh = k.transpose(0, 1).repeat_interleave(groups, 0)  # [Hq, L, D]
+    vh = v.transpose(0, 1).repeat_interleave(groups, 0)
+    scores = (qh @ kh.transpose(1, 2)) * scale  # [Hq, Q, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    keys = torch.arange(length, device=q.device)
+    queries = keys[length - n_q:, None]
+    allowed = keys[None, :] <= queries
+    if window is not None:
+        allowed &= queries - keys[None, :] < window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return (probs @ vh).transpose(0, 1)
 
 
 def _decode_batched(

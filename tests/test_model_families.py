@@ -1,8 +1,8 @@
 """Model families from Hugging Face checkpoints: tiny random models built with
 transformers' own config and model classes, saved with `save_pretrained`, every weight
 perturbed (norms and biases too, so each one matters); Tandem's greedy tokens equal
-transformers', alone and batched, CPU fp32. An architecture Tandem lacks is refused by
-name before any weight is read."""
+transformers', alone and batched, CPU fp32, prompts longer than a sliding window among
+them. An architecture Tandem lacks is refused by name before any weight is read."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ import torch
 from hf_reference import hf_greedy
 from serving_helpers import tandem_up
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     MistralConfig,
     MistralForCausalLM,
     MixtralConfig,
@@ -34,6 +38,10 @@ from tandem.engine.models import MODELS
 NEW_TOKENS = 24
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
+GEMMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+             max_position_embeddings=1024, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             query_pre_attn_scalar=24, sliding_window=8)
 FAMILIES = {
     # head_dim 32 with 4 heads of a 64-wide model: Qwen3's head_dim is its own.
     "qwen3": (Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
@@ -54,6 +62,19 @@ FAMILIES = {
                                  decoder_sparse_step=1, mlp_only_layers=[0],
                                  tie_word_embeddings=True),
                   Qwen3MoeForCausalLM),
+    # Gemma: its norms, GeGLU, scaled embeddings, soft-capping and sliding windows.
+    # Layers 0 and 2 slide over 8 keys: prompts of 33 to 150 tokens pass the window.
+    "gemma2": (Gemma2Config(**GEMMA, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+               Gemma2ForCausalLM),
+    # Layer 2 global (every 3rd); global RoPE scaled linearly, the sliding layers' own base.
+    "gemma3": (Gemma3TextConfig(**GEMMA, layer_types=["sliding_attention",
+                                                      "sliding_attention", "full_attention"],
+                                rope_parameters={
+                                    "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                       "rope_theta": 100000.0},
+                                    "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 10000.0}}),
+               Gemma3ForCausalLM),
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
@@ -145,3 +166,14 @@ def test_named_shapes_round_trip_through_config_json(name: str) -> None:
     shape = NAMED_SHAPES[name]
     assert ModelConfig.from_hf(shape.to_hf(), name=name) == shape
     assert shape.architecture in MODELS
+
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_on_the_triton_backend_is_refused_by_name(name: str, tmp_path: Path) -> None:
+    """Its sliding window and soft-capping are the torch backend's only, for now."""
+    config, cls = FAMILIES[name]
+    cls(config).save_pretrained(tmp_path)
+    path = tmp_path
+    with pytest.raises(ValueError, match="only attention_backend='torch'"):
+        LLM(str(path), device="cpu", dtype=torch.float32, attention_backend="triton")

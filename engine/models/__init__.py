@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tandem.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.models.mixtral import MixtralForCausalLM
 from tandem.engine.models.qwen3 import Qwen3ForCausalLM
@@ -15,6 +16,8 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

@@ -54,6 +54,8 @@ def rope_cos_sin(config: ModelConfig) -> torch.Tensor:
     """[max_positions, head_dim] fp32: cos(p * inv_freq) then sin(p * inv_freq), the
     values the reference computes per step, computed once on the current device."""
     inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    if config.rope_linear_factor:  # positions divided by the factor: so are the angles
+        inv = inv / config.rope_linear_factor
     return rope.rope_cache(inv.to(torch.get_default_device()), config.max_position_embeddings)
 
 
