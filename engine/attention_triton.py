@@ -49,15 +49,15 @@ class TritonAttention(AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        if window is not None or softcap is not None:  # (refused at load: supports())
-            raise NotImplementedError("the triton kernels take no sliding window or "
-                                      "soft-capping yet")
         m = state.meta
+        window, softcap = window or 0, softcap or 0.0
         store_kv(k, v, kv_cache, m.slot_mapping)
         if m.is_decode:
             return decode_attention(
-                q, kv_cache, m.block_tables, m.seq_lens, scale, state.num_splits
+                q, kv_cache, m.block_tables, m.seq_lens, scale, state.num_splits,
+                window=window, softcap=softcap,
             )
         return prefill_attention(
-            q, kv_cache, m.block_tables, m.seq_lens, m.query_start, m.max_query_len, scale
+            q, kv_cache, m.block_tables, m.seq_lens, m.query_start, m.max_query_len, scale,
+            window=window, softcap=softcap,
         )

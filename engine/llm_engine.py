@@ -69,14 +69,14 @@ class LLMEngine:
         device = _resolve_device(config.device)
         torch.manual_seed(config.seed)
         backend = config.attention_backend
-        if mc.sliding_layers or mc.attn_softcap:
-            # The Triton kernels take no sliding window or soft-capping yet.
-            if backend == "triton":
-                raise ValueError(f"{mc.architecture} needs a sliding window or soft-capped "
-                                 f"attention, which only attention_backend='torch' has")
-            if backend is None and device.type == "cuda":
-                log.warning("%s: the torch attention backend (the Triton kernels take no "
-                            "sliding window or soft-capping yet)", mc.architecture)
+        if backend is None and (mc.sliding_layers or mc.attn_softcap):
+            # The Triton kernels' sliding window and soft-capping are checked under Triton's
+            # interpreter; until a GPU run has checked them, such a model takes the torch
+            # backend unless asked for triton.
+            if device.type == "cuda":
+                log.warning("%s: the torch attention backend (attention_backend='triton' "
+                            "for the kernels' sliding window and soft-capping)",
+                            mc.architecture)
             backend = "torch"
         attention = make_backend(backend, device, config.cache.block_size, mc.num_kv_heads)
         self.attention_backend = attention.name

@@ -21,6 +21,10 @@ sum l_s and unnormalized accumulator acc_s in float32, and a second kernel merge
 
 `choose_num_splits` picks the split count that fills the GPU: a long context at a small
 batch would otherwise run on B x Hkv SMs.
+
+`window` > 0 (a sliding layer): the query sees only the last `window` keys, so the splits
+share the pages from the one holding the first of them; `softcap` > 0: each score s
+becomes softcap * tanh(s / softcap) before the softmax. Both are compile-time switches.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ def decode_attention(
     scale: float,
     num_splits: int = 1,
     out: torch.Tensor | None = None,  # [B, Hq, D]
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of each sequence's one query over its first seq_lens[b] cached tokens.
     Nothing on the host depends on tensor values (CUDA-graph capturable); with
@@ -91,7 +97,9 @@ def decode_attention(
     _decode_kernel[(batch, hkv, num_splits)](
         q, kv_cache[0], kv_cache[1], block_tables, seq_lens, out, maxes, sums, accs,
         q.stride(0), q.stride(1), kv_cache.stride(1), kv_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), scale * math.log2(math.e),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        scale if softcap else scale * math.log2(math.e), float(softcap),
+        WINDOW=int(window), SOFTCAP=bool(softcap),
         GROUP=group, GROUP_ROWS=max(_MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=dim, PAGE=page, BLOCK_N=block_n, SPLIT=num_splits > 1,
         PRECISION=precision, num_warps=_NUM_WARPS, num_stages=stages,
@@ -110,6 +118,8 @@ def decode_attention_ref(
     block_tables: torch.Tensor,  # [B, W] int
     seq_lens: torch.Tensor,  # [B] int
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Torch reference: per sequence gather its K/V, softmax in float32, return q.dtype.
     Reads seq_lens on the host."""
@@ -120,7 +130,12 @@ def decode_attention_ref(
         k = kv_cache[0, pages].flatten(0, 1)[:length].float()  # [L, Hkv, D]
         v = kv_cache[1, pages].flatten(0, 1)[:length].float()
         qg = q[b].float().view(hkv, -1, dim)  # [Hkv, G, D]
-        p = (torch.einsum("hgd,lhd->hgl", qg, k) * scale).softmax(-1)
+        scores = torch.einsum("hgd,lhd->hgl", qg, k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        if window:
+            scores[..., : max(0, length - window)] = float("-inf")
+        p = scores.softmax(-1)
         out[b] = torch.einsum("hgl,lhd->hgd", p, v).reshape(-1, dim).to(q.dtype)
     return out
 
@@ -143,7 +158,8 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, maxes, sums, accs,
                        stride_qb, stride_qh, stride_block, stride_token, stride_table,
-                       stride_ob, stride_oh, qk_scale,
+                       stride_ob, stride_oh, qk_scale, softcap,
+                       WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                        GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        PRECISION: tl.constexpr):
@@ -153,8 +169,12 @@ if triton is not None:
         split = tl.program_id(2)
         num_splits = tl.num_programs(2)
         seq_len = tl.load(seq_lens + b)
-        pages_per_split = tl.cdiv(tl.cdiv(seq_len, PAGE), num_splits)
-        start = split * pages_per_split * PAGE
+        lo = 0  # the first key the query sees
+        if WINDOW > 0:
+            lo = tl.maximum(seq_len - WINDOW, 0)
+        first_page = lo // PAGE
+        pages_per_split = tl.cdiv(tl.cdiv(seq_len, PAGE) - first_page, num_splits)
+        start = (first_page + split * pages_per_split) * PAGE
         end = tl.minimum(start + pages_per_split * PAGE, seq_len)
 
         rows = tl.arange(0, GROUP_ROWS)
@@ -171,13 +191,20 @@ if triton is not None:
         acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
-            valid = pos < end  # pos[0] is always valid, so every row's max is finite
+            # pos[0] is valid (with a window, lo is in the first tile, BLOCK_N >= PAGE):
+            # every row's max is finite
+            valid = pos < end
+            if WINDOW > 0:
+                valid = valid & (pos >= lo)
             block = tl.load(table + pos // PAGE, mask=valid, other=0).to(tl.int64)
             # [BLOCK_N] element offsets of each token's row for this head
             token = block * stride_block + (pos % PAGE) * stride_token + head_offset
             k = tl.load(k_cache + token[:, None] + dims[None, :], mask=valid[:, None],
                         other=0.0)  # [BLOCK_N, D]
             scores = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * qk_scale
+            if SOFTCAP:  # qk_scale is the plain scale: cap, then into the log2 domain
+                scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+                scores = scores * 1.4426950408889634
             scores = tl.where(valid[None, :], scores, float("-inf"))  # [GROUP_ROWS, BLOCK_N]
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             alpha = tl.exp2(m_i - m_new)

@@ -24,6 +24,12 @@ read. Online softmax in float32 in the log2 domain, the fp32 accumulator divided
 at the end. The grid is (Hkv, B, cdiv(max_query_len, BLOCK_Q)) with the query tiles
 taken last first: the longest programs (the last queries of a prompt) start first,
 the short ones fill the tail. It depends only on host ints, so nothing waits on the GPU.
+
+`window` > 0: a query sees only the keys less than `window` positions before it (a
+sliding layer): the program starts at the tile holding its first query's first key, and
+every tile is masked. `softcap` > 0: each score s becomes softcap * tanh(s / softcap)
+before the softmax (Gemma 2). Both are compile-time switches: without them the kernel
+is the one above.
 """
 
 from __future__ import annotations
@@ -78,6 +84,8 @@ def prefill_attention(
     max_query_len: int,  # >= every q_len
     scale: float,
     out: torch.Tensor | None = None,  # [T, Hq, D]
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its first seq_lens[b] cached
     tokens; writes `out` (allocated if None) and returns it. Launch size depends only on
@@ -103,12 +111,13 @@ def prefill_attention(
     assert grid[1] < 1 << 16 and grid[2] < 1 << 16, grid  # CUDA's limit on grid y and z
     _prefill_attention_kernel[grid](
         q, kv_cache[0], kv_cache[1], block_tables, seq_lens, query_start, out,
-        scale * _LOG2E,
+        scale if softcap else scale * _LOG2E, float(softcap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         GROUPS=groups, HEAD_DIM=dim, PAGE=page, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=tiles.block_n, IEEE=q.dtype == torch.float32,
+        WINDOW=int(window), SOFTCAP=bool(softcap),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
@@ -121,6 +130,8 @@ def prefill_attention_ref(
     seq_lens: torch.Tensor,  # [B]
     query_start: torch.Tensor,  # [B + 1]
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Torch reference: per sequence, gather its K/V, causal softmax in float32; returns
     q.dtype. Rows of q that no sequence owns are zero."""
@@ -138,8 +149,12 @@ def prefill_attention_ref(
         v = v.repeat_interleave(groups, 1).transpose(0, 1)
         qh = q[start:end].float().transpose(0, 1)  # [Hq, Q, D]
         scores = qh @ k.transpose(1, 2) * scale  # [Hq, Q, L]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         pos = torch.arange(length, device=q.device)
         allowed = pos[None, :] <= pos[length - (end - start):, None]  # [Q, L]
+        if window:
+            allowed &= pos[length - (end - start):, None] - pos[None, :] < window
         probs = scores.masked_fill(~allowed, -math.inf).softmax(-1)
         out[start:end] = (probs @ v).transpose(0, 1).to(q.dtype)
     return out
@@ -149,10 +164,11 @@ if triton is not None:
 
     @triton.jit
     def _attend_keys(
-        q_tile, k_cache, v_cache, table, kv_base, kv_block, kv_slot, qk_scale,
+        q_tile, k_cache, v_cache, table, kv_base, kv_block, kv_slot, qk_scale, softcap,
         n0, key_end, pos, m_i, l_i, acc,
         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-        MASKED: tl.constexpr, IEEE: tl.constexpr,
+        MASKED: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
+        SOFTCAP: tl.constexpr,
     ):
         """One online-softmax step over keys [n0, n0 + BLOCK_N) gathered through the
         block table; MASKED: keys at or past key_end are not loaded, and a row sees a
@@ -176,12 +192,21 @@ if triton is not None:
             qk = tl.dot(q_tile, tl.trans(k), input_precision="ieee") * qk_scale
         else:
             qk = tl.dot(q_tile, tl.trans(k)) * qk_scale
+        if SOFTCAP:  # qk_scale is the plain scale: cap, then into the log2 domain
+            qk = softcap * _tanh(qk / softcap) * 1.4426950408889634
         if MASKED:
-            # Every row keeps key 0, so the first tile already makes m_new finite.
-            qk = tl.where(keys[None, :] <= pos[:, None], qk, float("-inf"))
+            seen = keys[None, :] <= pos[:, None]
+            if WINDOW > 0:
+                seen = seen & (pos[:, None] - keys[None, :] < WINDOW)
+            # Without a window every row keeps key 0, so the first tile already makes
+            # m_new finite; with one, a row may see none of a tile: see m_ref.
+            qk = tl.where(seen, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        m_ref = m_new
+        if WINDOW > 0:  # a row that has seen no key yet: exp2(-inf - -inf) must be 0
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
@@ -190,15 +215,20 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _tanh(x):
+        return 1.0 - 2.0 / (tl.math.exp(2.0 * x) + 1.0)  # +-1 at the ends, no overflow
+
+    @triton.jit
     def _prefill_attention_kernel(
         q, k_cache, v_cache, block_tables, seq_lens, query_start, out,
-        qk_scale,  # scale x log2(e): softmax in powers of 2
+        qk_scale,  # scale x log2(e): softmax in powers of 2 (SOFTCAP: the plain scale)
+        softcap,
         q_token, q_head, out_token, out_head,
         kv_block, kv_slot, kv_head,
         table_row,
         GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         # program (h, b, t): KV head h, sequence b, query tile t counted from the end.
         kv_h = tl.program_id(0)
@@ -226,21 +256,25 @@ if triton is not None:
         table = block_tables + b.to(tl.int64) * table_row
         kv_base = kv_h.to(tl.int64) * kv_head
 
-        # Keys before the tile's first query: every row sees them, all are in the context.
-        unmasked_end = (past + q0 + 1) // BLOCK_N * BLOCK_N
-        for n0 in range(0, unmasked_end, BLOCK_N):
-            m_i, l_i, acc = _attend_keys(
-                q_tile, k_cache, v_cache, table, kv_base, kv_block, kv_slot, qk_scale,
-                n0, unmasked_end, pos, m_i, l_i, acc,
-                HEAD_DIM, PAGE, BLOCK_N, False, IEEE)
+        # Keys before the tile's first query: every row sees them, all are in the context
+        # (with a window: from the tile of the first query's first key, all masked).
+        key_end = past + tl.minimum(q0 + BLOCK_Q, q_len)
+        if WINDOW > 0:
+            unmasked_end = tl.maximum(past + q0 + 1 - WINDOW, 0) // BLOCK_N * BLOCK_N
+        else:
+            unmasked_end = (past + q0 + 1) // BLOCK_N * BLOCK_N
+            for n0 in range(0, unmasked_end, BLOCK_N):
+                m_i, l_i, acc = _attend_keys(
+                    q_tile, k_cache, v_cache, table, kv_base, kv_block, kv_slot, qk_scale,
+                    softcap, n0, unmasked_end, pos, m_i, l_i, acc,
+                    HEAD_DIM, PAGE, BLOCK_N, False, IEEE, WINDOW, SOFTCAP)
         # The diagonal, up to the tile's last query, masked causally. Keys at or past
         # key_end are never loaded: their pages may be garbage, their slots unwritten.
-        key_end = past + tl.minimum(q0 + BLOCK_Q, q_len)
         for n0 in range(unmasked_end, key_end, BLOCK_N):
             m_i, l_i, acc = _attend_keys(
                 q_tile, k_cache, v_cache, table, kv_base, kv_block, kv_slot, qk_scale,
-                n0, key_end, pos, m_i, l_i, acc,
-                HEAD_DIM, PAGE, BLOCK_N, True, IEEE)
+                softcap, n0, key_end, pos, m_i, l_i, acc,
+                HEAD_DIM, PAGE, BLOCK_N, True, IEEE, WINDOW, SOFTCAP)
 
         acc = acc / l_i[:, None]
         o_offs = (token * out_token + head * out_head)[:, None] + offs_d[None, :]

@@ -84,6 +84,21 @@ def compare(device: str) -> None:
         tol = TOLERANCE[dtype]
         torch.testing.assert_close(got, want, atol=tol, rtol=tol,
                                    msg=lambda m, c=(dtype, group, dim, lens, splits): f"{c}: {m}")
+    # Sliding windows (shorter than a page, across pages, past every context) and
+    # soft-capped scores, with one split and several; against the engine's reference too.
+    for i, (window, softcap, splits) in enumerate(((5, 0.0, 1), (21, 0.0, 3), (1000, 0.0, 2),
+                                                   (0, 0.5, 3), (13, 0.7, 4))):
+        q, kv_cache, tables, seq_lens = make_inputs(MIXED, 3, 64, 2, torch.float32, device,
+                                                    seed=50 + i)
+        want = decode_attention_ref(q, kv_cache, tables, seq_lens, 0.125, window, softcap)
+        got = decode_attention(q, kv_cache, tables, seq_lens, 0.125, splits, window=window,
+                               softcap=softcap)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m, c=(window, softcap, splits): f"{c}: {m}")
+        engine = paged_attention_ref(q, kv_cache, tables.long(), MIXED,
+                                     list(range(len(MIXED) + 1)), 0.125, window=window or None,
+                                     softcap=softcap or None)
+        torch.testing.assert_close(want, engine, atol=1e-5, rtol=1e-5)
     q, kv_cache, tables, seq_lens = make_inputs(MIXED, 4, 64, 2, torch.float32, device, seed=99)
     out = torch.empty_like(q)
     got = decode_attention(q, kv_cache, tables, seq_lens, 0.125, 3, out=out)

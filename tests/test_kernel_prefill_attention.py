@@ -47,20 +47,23 @@ def make_batch(lens: list[tuple[int, int]], hq: int, hkv: int, dim: int,
 
 
 def check(lens: list[tuple[int, int]], hq: int, hkv: int, dim: int, dtype: torch.dtype,
-          device: str, g: torch.Generator, extra_tiles: int = 0) -> None:
+          device: str, g: torch.Generator, extra_tiles: int = 0, window: int = 0,
+          softcap: float = 0.0) -> None:
     q, kv, tables, seq_lens, starts = make_batch(lens, hq, hkv, dim, dtype, device, g)
     scale = dim ** -0.5
-    want = prefill_attention_ref(q, kv, tables, seq_lens, starts, scale)
+    want = prefill_attention_ref(q, kv, tables, seq_lens, starts, scale, window, softcap)
     # Two rows past T catch a q_len 0 row at the end that writes.
     buf = torch.full((q.shape[0] + 2, hq, dim), 7.0, dtype=dtype, device=device)
     max_q = max(n for _, n in lens) + extra_tiles
-    got = prefill_attention(q, kv, tables, seq_lens, starts, max_q, scale, out=buf[:-2])
+    got = prefill_attention(q, kv, tables, seq_lens, starts, max_q, scale, out=buf[:-2],
+                            window=window, softcap=softcap)
     assert got.data_ptr() == buf.data_ptr()
     assert torch.equal(buf[-2:], torch.full_like(buf[-2:], 7.0))
     tol = TOLERANCE[dtype]
     assert not want.isnan().any()
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol,
-                               msg=lambda m: f"{lens} {hq}/{hkv} D{dim} {dtype}: {m}")
+                               msg=lambda m: f"{lens} {hq}/{hkv} D{dim} {dtype} "
+                                             f"window {window} cap {softcap}: {m}")
 
 
 def compare(device: str) -> None:
@@ -76,6 +79,11 @@ def compare(device: str) -> None:
     for i, (dtype, dim, groups) in enumerate(cases):
         hkv = 2 if groups < 4 else 1
         check(MIXED, groups * hkv, hkv, dim, dtype, device, g, extra_tiles=i % 2)
+    # Sliding windows shorter than a tile, across tiles, and longer than every context;
+    # soft-capped scores (scaled up so the cap bites), alone and with a window.
+    for dtype in dtypes:
+        for window, softcap in ((5, 0.0), (21, 0.0), (1000, 0.0), (0, 0.5), (13, 0.7)):
+            check(MIXED, 6, 2, 64, dtype, device, g, window=window, softcap=softcap)
     if device != "cuda":
         return
     long = [(700, 600), (300, 300), (1000, 1), (129, 65), (64, 0), (2048, 2048)]
@@ -83,6 +91,7 @@ def compare(device: str) -> None:
         check(long, 32, 8, 128, dtype, device, g)
         check(long, 12, 4, 64, dtype, device, g, extra_tiles=100)
     check([(16384, 16384)], 2, 1, 128, torch.bfloat16, device, g)
+    check(long, 8, 4, 256, torch.bfloat16, device, g, window=1024, softcap=50.0)  # Gemma
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -112,3 +121,9 @@ def test_reference_matches_the_engine_reference() -> None:
                                0.125)
     got = prefill_attention_ref(q, kv, tables, seq_lens, starts, 0.125)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for window, softcap in ((5, None), (None, 0.3), (9, 0.3)):
+        want = paged_attention_ref(q, kv, tables.long(), seq_lens.tolist(), starts.tolist(),
+                                   0.125, window=window, softcap=softcap)
+        got = prefill_attention_ref(q, kv, tables, seq_lens, starts, 0.125, window or 0,
+                                    softcap or 0.0)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -30,6 +30,7 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+from triton_interpreter import HAS_TRITON, run_under_interpreter
 
 from tandem import LLM, SamplingParams
 from tandem.engine.config import NAMED_SHAPES, ModelConfig
@@ -169,11 +170,29 @@ def test_named_shapes_round_trip_through_config_json(name: str) -> None:
 
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_gemma_on_the_triton_backend_is_refused_by_name(name: str, tmp_path: Path) -> None:
-    """Its sliding window and soft-capping are the torch backend's only, for now."""
+def gemma_on_triton(name: str, path: str) -> None:
+    """Under TRITON_INTERPRET=1: the Triton attention kernels' sliding window and
+    soft-capping give transformers' greedy tokens, prompts past the window, one batch."""
     config, cls = FAMILIES[name]
-    cls(config).save_pretrained(tmp_path)
-    path = tmp_path
-    with pytest.raises(ValueError, match="only attention_backend='torch'"):
-        LLM(str(path), device="cpu", dtype=torch.float32, attention_backend="triton")
+    torch.manual_seed(4321)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+            elif pname.endswith("norm.weight"):
+                p.normal_(1.0, 0.3)
+    model.save_pretrained(path)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (20, 37)]
+    want = [hf_greedy(model, p, 8) for p in prompts]
+    llm = LLM(path, device="cpu", dtype=torch.float32, attention_backend="triton")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_on_the_triton_kernels_under_the_interpreter(name: str, tmp_path: Path) -> None:
+    run_under_interpreter(f"from test_model_families import gemma_on_triton; "
+                          f"gemma_on_triton({name!r}, {str(tmp_path)!r})", timeout=600)
