@@ -34,7 +34,8 @@ class Answer:
 def _stream(port: int, i: int, answer: Answer) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     body = {"model": MODEL, "prompt": f"Request {i}: say something about the sky.",
-            "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
+            "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     conn.request("POST", "/v1/completions", json.dumps(body),
                  {"Content-Type": "application/json"})
     r = conn.getresponse()
@@ -49,7 +50,10 @@ def _stream(port: int, i: int, answer: Answer) -> None:
         elif line.startswith("data: "):
             event = json.loads(line[6:])
             answer.error = event.get("error", answer.error)
-            answer.tokens += "choices" in event
+            # An event may carry several tokens (those that queued while the stream was
+            # busy): the usage event counts them.
+            if event.get("usage"):
+                answer.tokens = event["usage"]["completion_tokens"]
     conn.close()
 
 

@@ -46,7 +46,8 @@ def _stream(url: str, i: int, answer: Answer, max_tokens: int, timeout: float = 
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     body = {"model": MODEL, "prompt": f"Request {i}: tell me about the number {i}.",
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     answer.sent = time.monotonic()
     conn.request("POST", "/v1/completions", json.dumps(body),
                  {"Content-Type": "application/json"})
@@ -69,8 +70,9 @@ def _stream(url: str, i: int, answer: Answer, max_tokens: int, timeout: float = 
             for choice in event.get("choices", []):
                 if answer.first_token_at is None:
                     answer.first_token_at = time.monotonic()
-                answer.tokens += 1
                 answer.finish_reason = choice.get("finish_reason") or answer.finish_reason
+            if event.get("usage"):  # an event may carry several tokens: this counts them
+                answer.tokens = event["usage"]["completion_tokens"]
     conn.close()
 
 

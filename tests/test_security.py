@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -100,6 +101,9 @@ def test_tandem_ctl_status_lists_both_nodes_of_tandem_up_with_live_numbers(url: 
     requests just served (generated tokens/s, TTFT over the last minute)."""
     for _ in range(2):
         assert _call(url, "/v1/chat/completions", CHAT, API_KEY)[0] == 200
+    # Rates come from the nodes' counters, read once a second (router/pool.py POLL_S):
+    # the requests show once a read has come after them.
+    time.sleep(1.5)
     env = {**os.environ, "TANDEM_ADMIN_TOKEN": ADMIN_TOKEN}
     ctl = [sys.executable, "-m", "tandem.cli", "ctl", "--router", url, "status"]
     table = subprocess.run(ctl, env=env, capture_output=True, text=True, timeout=60)
