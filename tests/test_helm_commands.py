@@ -78,26 +78,27 @@ def test_the_rendered_commands_serve_like_the_offline_engine(
     pods = {pool: container(docs, "StatefulSet", f"tandem-{pool}")
             for pool in ("prefill", "decode")}
     model = {"--model": str(smollm2_path), "--load-format": "gguf"}
-    ports = {pool: (free_port(), free_port()) for pool in pods}  # grpc, transfer
-    local = {f"tandem-{pool}-0.tandem-{pool}.default.svc.cluster.local:50051":
-             f"127.0.0.1:{grpc}" for pool, (grpc, _) in ports.items()}
     procs: list[subprocess.Popen] = []
     with RedisServer() as redis:
         try:
-            for pool, c in pods.items():
+            # The nodes take free ports (0) as they bind: ports picked ahead of them could
+            # be taken meanwhile (a connection's ephemeral port).
+            for c in pods.values():
                 env = _env(c)
-                grpc, transfer = ports[pool]
                 procs.append(_start(_argv(c, env, {
-                    **model, "--device": "cpu", "--dtype": "float32", "--port": str(grpc),
-                    "--transfer-port": str(transfer), "--index": redis.url}), env, monkeypatch))
+                    **model, "--device": "cpu", "--dtype": "float32", "--port": "0",
+                    "--transfer-port": "0", "--index": redis.url}), env, monkeypatch))
+            # Each node advertises $(POD_IP); the router reaches the pod names there.
+            addresses = [node_address(p) for p in procs]
+            assert [a.rsplit(":", 1)[0] for a in addresses] == [POD_IP, POD_IP]
+            local = {f"tandem-{pool}-0.tandem-{pool}.default.svc.cluster.local:50051": address
+                     for pool, address in zip(pods, addresses)}
             env = _env(router)
             [prefill], [decode] = (flag_values(router["args"], f"--{p}") for p in pods)
             port = free_port()
             procs.append(_start(_argv(router, env, {
                 **model, "--port": str(port), "--prefill": local[prefill],
                 "--decode": local[decode], "--index": redis.url}), env, monkeypatch))
-            # Each node advertises $(POD_IP): the address the router was given.
-            assert [node_address(p) for p in procs[:2]] == [local[prefill], local[decode]]
             url = f"http://127.0.0.1:{port}"
             wait_up(url, procs[2], every_node=True)
 
