@@ -120,11 +120,8 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return prompts
 
 
-def _as_params_list(
-    params: SamplingParams | Sequence[SamplingParams] | None, n: int
-) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams], n: int
+                    ) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.silu_mul import silu_mul
+
 try:
     import triton
     import triton.language as tl
@@ -87,8 +89,6 @@ def fused_moe(x: torch.Tensor,  # [T, D], unit last stride
               down: torch.Tensor,  # [E, D, F] contiguous
               top_k: int, renormalize: bool) -> torch.Tensor:  # [T, D]
     assert triton is not None, "Triton is not installed"
-    from tandem.kernels.silu_mul import silu_mul  # (one import cycle less at load)
-
     t, d = x.shape
     e, two_f, _ = gate_up.shape
     weights, ids = route(router_logits, top_k, renormalize)

@@ -27,7 +27,7 @@ from torch import nn
 
 from tandem.engine.attention import AttentionBackend
 from tandem.engine.config import ModelConfig
-from tandem.engine.models.llama import Attention, LlamaForCausalLM, rope_cos_sin
+from tandem.engine.models.llama import MLP, Attention, LlamaForCausalLM, rope_cos_sin
 from tandem.engine.ops import Ops
 
 
@@ -53,32 +53,18 @@ class GemmaAttention(Attention):
         self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                kv_cache: torch.Tensor, state: Any) -> torch.Tensor:
-        t, hd = x.shape[0], self.head_dim
-        qkv = self.ops.linear(x, self.qkv_proj)
-        q, k, v = qkv.split([self.num_heads * hd, self.num_kv_heads * hd,
-                             self.num_kv_heads * hd], dim=-1)
-        q, k, v = q.reshape(t, -1, hd), k.reshape(t, -1, hd), v.reshape(t, -1, hd)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        self.ops.apply_rope_(q, k, positions, cos_sin)
-        o = self.attention.forward(q, k, v, kv_cache, state, self.scale, self.window,
-                                   self.softcap)
-        return self.ops.linear(o.reshape(t, -1), self.o_proj)
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.q_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)  # over each head's last dim
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops) -> None:
-        super().__init__()
-        d, f = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = nn.Linear(d, 2 * f, bias=False)
-        self.down_proj = nn.Linear(f, d, bias=False)
-        self.ops = ops
+class GemmaMLP(MLP):
+    """GeGLU: gelu (its tanh approximation) of the gate, times up."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.ops.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return self.ops.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj)
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -71,7 +71,14 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(d, out, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * hd, d, bias=False)
         self.scale = hd**-0.5
+        self.window: int | None = None  # keys fewer than this many back only (a family's)
+        self.softcap: float | None = None  # scores through softcap * tanh(s / softcap)
         self.attention, self.ops = attention, ops
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, hd] and k [T, Hkv, hd] before RoPE: as they are (a family with
+        per-head norms overrides this)."""
+        return q, k
 
     def forward(
         self,
@@ -85,9 +92,11 @@ class Attention(nn.Module):
         qkv = self.ops.linear(x, self.qkv_proj)  # [T, (Hq + 2 Hkv) * hd]
         q, k, v = qkv.split([self.num_heads * hd, self.num_kv_heads * hd,
                              self.num_kv_heads * hd], dim=-1)
-        q, k, v = q.view(t, -1, hd), k.view(t, -1, hd), v.view(t, -1, hd)
+        q, k = self.norm_qk(q.view(t, -1, hd), k.view(t, -1, hd))
+        v = v.view(t, -1, hd)
         self.ops.apply_rope_(q, k, positions, cos_sin)
-        o = self.attention.forward(q, k, v, kv_cache, state, self.scale)  # [T, Hq, hd]
+        o = self.attention.forward(q, k, v, kv_cache, state, self.scale, self.window,
+                                   self.softcap)  # [T, Hq, hd]
         return self.ops.linear(o.reshape(t, -1), self.o_proj)
 
 
@@ -100,8 +109,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(f, d, bias=False)
         self.ops = ops
 
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2F] -> [T, F]
+        return self.ops.silu_mul(gate_up)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(self.ops.silu_mul(self.ops.linear(x, self.gate_up_proj)),
+        return self.ops.linear(self.activation(self.ops.linear(x, self.gate_up_proj)),
                                self.down_proj)
 
 

@@ -4,8 +4,6 @@ head_dim of its own (not hidden_size / heads)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from tandem.engine.attention import AttentionBackend
@@ -20,25 +18,11 @@ class Qwen3Attention(Attention):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops)
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, D]
-        positions: torch.Tensor,  # [T]
-        cos_sin: torch.Tensor,  # [P, hd] fp32
-        kv_cache: torch.Tensor,
-        state: Any,
-    ) -> torch.Tensor:
-        t, hd = x.shape[0], self.head_dim
-        qkv = self.ops.linear(x, self.qkv_proj)
-        q, k, v = qkv.split([self.num_heads * hd, self.num_kv_heads * hd,
-                             self.num_kv_heads * hd], dim=-1)
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Each head's row normalised on its own: [T * H, hd] rows.
-        q = self.q_norm(q.reshape(-1, hd)).view(t, -1, hd)
-        k = self.k_norm(k.reshape(-1, hd)).view(t, -1, hd)
-        v = v.view(t, -1, hd)
-        self.ops.apply_rope_(q, k, positions, cos_sin)
-        o = self.attention.forward(q, k, v, kv_cache, state, self.scale)
-        return self.ops.linear(o.reshape(t, -1), self.o_proj)
+        hd = self.head_dim
+        return (self.q_norm(q.reshape(-1, hd)).view(q.shape),
+                self.k_norm(k.reshape(-1, hd)).view(k.shape))
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
