@@ -15,8 +15,10 @@ goal). `--plot` draws every sweep of a workload on one figure, a line per config
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import secrets
 import shlex
 import signal
 import subprocess
@@ -26,9 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from serve_vs_engine import wait_ok  # benchmarks/, beside this script
+from health_probe import HealthProbe  # benchmarks/, beside this script
+from serve_vs_engine import wait_ok
 
 from tandem.bench.serve import DETAILED
+from tandem.node.auth import CLUSTER_SECRET_ENV
 
 
 def _named(text: str) -> tuple[str, str]:
@@ -63,6 +67,9 @@ def parse_args() -> argparse.Namespace:
                    help="write every result with its per-request lists here (for plots)")
     p.add_argument("--plot", type=Path, default=None,
                    help="sweeps: throughput, p90 TTFT/TPOT and attainment against the rate")
+    p.add_argument("--probe-health", action="store_true",
+                   help="sample every node's Health rpc during each workload and report "
+                        "its latencies with the results (health_probe.py)")
     p.add_argument("--note", default="", help="said in the JSON: the machine, the tree, ...")
     return p.parse_args()
 
@@ -113,18 +120,30 @@ def run_config(args: argparse.Namespace, name: str, flags: str, tmp: Path
     url = f"http://127.0.0.1:{args.port}"
     log = (open(args.log_dir / f"up_{name.replace(' ', '_')}.log", "w") if args.log_dir
            else subprocess.DEVNULL)
+    # A cluster secret known here, so the Health probe's calls are obeyed.
+    secret = os.environ.get(CLUSTER_SECRET_ENV) or secrets.token_hex(32)
     up = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "up", "--port", str(args.port),
          *shlex.split(args.common), *shlex.split(flags)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=os.environ | {CLUSTER_SECRET_ENV: secret})
     try:
         wait_ok(url, up)
         if args.warmup:
             bench(url, args.warmup, tmp, "warmup", args.bench_timeout)
         runs = {}
         for workload, bench_flags in args.bench:
-            results = bench(url, bench_flags, tmp, "run", args.bench_timeout)
+            probing = HealthProbe(url, secret) if args.probe_health else None
+            with probing or contextlib.nullcontext() as probe:
+                results = bench(url, bench_flags, tmp, "run", args.bench_timeout)
             runs[workload] = results
+            if probe is not None:
+                health = probe.summary()
+                for r in results:
+                    r["health"] = health
+                print(f"{name} / {workload}: Health " + ", ".join(
+                    f"{node} max {h['max_ms'] or 0:.1f} ms, {h['misses']} missed"
+                    for node, h in health.items()), flush=True)
             for r in results:
                 att = r.get("slo_attainment")
                 print(f"{name} / {workload} @ {r['request_rate']} req/s: "

@@ -121,6 +121,9 @@ def parse_args() -> argparse.Namespace:
                    "--random-range-ratio 0.75 --random-output-len 16 --max-concurrency 8",
                    help="bench flags of a run thrown away after each start-up (default: "
                         "%(default)s: prompt lengths 512..3,584, chunked ones included)")
+    g.add_argument("--probe-health", action="store_true",
+                   help="sample every node's Health rpc during each workload "
+                        "(health_probe.py)")
     g.add_argument("--bench-timeout", type=float, default=1200,
                    help="seconds one tandem bench serve run may take (default: %(default)s)")
     g = p.add_argument_group("TTFT of disaggregation")

@@ -3,7 +3,8 @@ request through the decode role's stages, on the node's asyncio loop:
 
     wait in the prealloc queue for the prompt's blocks   (the call's deadline bounds it)
     call the plan's prefill node: it computes the prompt and pushes its KV into the sink
-    wait for the KV's arrival, then decode in the running batch
+    wait for the first token (the push's end frame brings it, after the KV, ahead of the
+        prefill node's reply), then decode in the running batch
 
 A prompt whose uncached tokens are fewer than the plan's threshold, a plan that names no
 prefill node, and a prefill node that fails (unless the plan says to fail then) are
@@ -74,8 +75,8 @@ class Driver:
         made = await self._reserve(req, timeout + self.timeouts.transfer_grace_s, deadline_s)
         trace.mark(rid, "decode.reserved")
         head.queued_s = made.queued_s
-        first = await self._prefill(msg, plan, made, timeout, head)
-        trace.mark(rid, "decode.prefill_reply")
+        first = await self._first_token(msg, plan, made, timeout, head)
+        trace.mark(rid, "decode.first_token")
         if first is not None:
             try:
                 await self._arrival(made.arrival, self.timeouts.transfer_grace_s)
@@ -124,6 +125,26 @@ class Driver:
             raise QueueTimeout(f"waited {limit:.3g}s for {req.num_prompt_tokens} prompt "
                                f"tokens' KV blocks") from None
 
+    async def _first_token(self, msg: pb.Request, plan: pb.PrefillPlan, made: Reservation,
+                           timeout: float, head: pb.GenerateChunk) -> int | None:
+        """The prompt's first token from whichever comes first: the push's end frame (the
+        KV is in by then) or the prefill node's reply; None as `_prefill`. The reply that
+        comes after the end frame is only awaited, so its call ends cleanly."""
+        reply = asyncio.ensure_future(self._prefill(msg, plan, made, timeout, head))
+        early = asyncio.wrap_future(made.first_token)
+        try:
+            await asyncio.wait((reply, early), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            reply.cancel()
+            raise
+        finally:
+            early.cancel()  # a sender that never sends it, or it came
+        if early.done() and not early.cancelled() and early.exception() is None:
+            if not reply.done():
+                reply.add_done_callback(_ignore_late)
+            return early.result()
+        return await reply
+
     async def _prefill(self, msg: pb.Request, plan: pb.PrefillPlan, made: Reservation,
                        timeout: float, head: pb.GenerateChunk) -> int | None:
         """The prefill node's first token; None when it failed and the prompt is to be
@@ -164,6 +185,13 @@ class Driver:
             self._channels.append(channel)
             stub = self._peers[address] = pb_grpc.NodeStub(channel)
         return stub
+
+
+def _ignore_late(reply: asyncio.Future[int | None]) -> None:
+    """A Prefill reply after its end frame's token started the decode: nothing waits for
+    it, but its exception must be retrieved."""
+    if not reply.cancelled():
+        reply.exception()
 
 
 def _prefill_timeout(plan: pb.PrefillPlan, timeouts: Timeouts) -> float:

@@ -49,6 +49,15 @@ class Reservation:
     cached_tokens: int  # prompt tokens the prefix cache held
     queued_s: float  # seconds it waited in the prealloc queue
     arrival: Future[None]  # done once its KV is in; TransferError once its sink failed
+    # The token the prefill node sampled, once its push's end frame brought it (after the
+    # KV is in); never set by a sender that does not send it.
+    first_token: Future[int]
+
+
+@dataclass(eq=False)
+class _Arrival:
+    kv: Future[None] = field(default_factory=Future)
+    first_token: Future[int] = field(default_factory=Future)
 
 
 @dataclass(eq=False)
@@ -69,8 +78,8 @@ class DecodeRole:
         self.connector = connector
         self.agent = TransferAgent(loop.engine.runner.kv_caches, layout, connector,
                                    self._sink_freed, host, on_ready=self._arrived,
-                                   on_failed=self._lost, secret=secret, port=port,
-                                   advertise_host=advertise_host)
+                                   on_end=self._ended, on_failed=self._lost, secret=secret,
+                                   port=port, advertise_host=advertise_host)
         # The loop thread's: the prealloc queue, and its entries by request.
         self._prealloc: deque[_Queued] = deque()
         self._queued: dict[str, _Queued] = {}
@@ -78,7 +87,7 @@ class DecodeRole:
         # dict operation is atomic under the GIL, and an entry is set before its sink
         # opens.
         self._sinks: dict[int, str] = {}  # a sink's first block id -> its request
-        self._arrivals: dict[str, Future[None]] = {}
+        self._arrivals: dict[str, _Arrival] = {}
         self._aborts = ThreadPoolExecutor(_ABORT_THREADS, thread_name_prefix="sink-abort")
         self.kv_bytes_received = 0
         self.transfers_failed = 0
@@ -146,7 +155,7 @@ class DecodeRole:
         rid = req.request_id
         first_block = cached // self.layout.block_size
         ids = tuple(req.block_ids[first_block:])
-        arrival: Future[None] = Future()
+        arrival = _Arrival()
         self._sinks[ids[0]] = rid
         self._arrivals[rid] = arrival
         try:
@@ -156,7 +165,8 @@ class DecodeRole:
             self._arrivals.pop(rid, None)
             engine.release_reserved(rid)
             raise
-        return Reservation(sink, first_block, cached, queued_s, arrival)
+        return Reservation(sink, first_block, cached, queued_s, arrival.kv,
+                           arrival.first_token)
 
     # -- transfer --------------------------------------------------------------------------
 
@@ -166,18 +176,24 @@ class DecodeRole:
         arrival = self._arrivals.get(request_id)
         if arrival is None or not self.agent.holds(request_id):
             raise ValueError(f"request {request_id!r} has no reservation here to decode from")
-        return arrival
+        return arrival.kv
 
     def _arrived(self, request_id: str) -> None:  # the agent's on_ready
         arrival = self._arrivals.get(request_id)
         if arrival is not None:
-            _settle(arrival, None)
+            _settle(arrival.kv, None)
+
+    def _ended(self, request_id: str, first_token: int) -> None:  # the agent's on_end
+        arrival = self._arrivals.get(request_id)
+        if arrival is not None:
+            _settle(arrival.first_token, first_token)
 
     def _lost(self, request_id: str, reason: str) -> None:  # the agent's on_failed
         arrival = self._arrivals.pop(request_id, None)
         if arrival is not None:
-            _settle(arrival, error=TransferError(f"the KV of {request_id!r} did not arrive: "
-                                                 f"{reason}"))
+            error = TransferError(f"the KV of {request_id!r} did not arrive: {reason}")
+            _settle(arrival.kv, error=error)
+            _settle(arrival.first_token, error=error)
 
     # -- running ---------------------------------------------------------------------------
 

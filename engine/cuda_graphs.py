@@ -42,6 +42,9 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self, show_progress: bool = True) -> None:
         pool = torch.cuda.graph_pool_handle()
+        # A capture stream of the runner's device: torch's default one is made once per
+        # process, on whichever device was current then.
+        stream = torch.cuda.Stream(self.runner.device)
         # Largest first: the smaller graphs reuse its memory from the shared pool.
         for size in tqdm(sorted(self.sizes, reverse=True), desc="capturing CUDA graphs",
                          disable=not show_progress):
@@ -49,7 +52,7 @@ class DecodeGraphs:
             forward()  # warm up: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 logits = forward()
             self._graphs[size] = (graph, logits)
         torch.cuda.synchronize()

@@ -48,6 +48,15 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
+def bind_thread(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device. Triton launches, CUDA graph
+    captures and argument-less `torch.cuda` calls go to the current device, which every
+    new thread starts at 0; so each thread that runs a node's CUDA work binds first (a
+    stream context, `torch.cuda.stream(s)`, binds its stream's device while it lasts)."""
+    if device.type == "cuda" and device.index is not None:  # plain "cuda": the current one
+        torch.cuda.set_device(device)
+
+
 class KVCacheFull(RuntimeError):
     """The blocks a request needs are not free now (they may be later)."""
 
@@ -66,7 +75,8 @@ class LLMEngine:
         src = resolve_model(config.model, config.load_format)
         self.model_name = src.name
         self.model_config = mc = load_model_config(src)
-        device = _resolve_device(config.device)
+        self.device = device = _resolve_device(config.device)
+        bind_thread(device)  # this thread captures graphs and may step the engine
         torch.manual_seed(config.seed)
         backend = config.attention_backend
         if backend is None and (mc.sliding_layers or mc.attn_softcap):
@@ -460,6 +470,7 @@ def _matched_stop(text: str, stops: Sequence[str], cut: int, included: bool) -> 
 def run_to_completion(
     engine: LLMEngine, reqs: list[Request], use_tqdm: bool = False
 ) -> dict[str, RequestOutput]:
+    bind_thread(engine.device)  # the caller's thread may be any (LLM.generate's)
     for req in reqs:
         engine.add(req)
     done: dict[str, RequestOutput] = {}

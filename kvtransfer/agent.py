@@ -46,7 +46,9 @@ connection expects (`_alloc`), so a peer's header can't make this side allocate 
 Locks: `_lock` guards the table; a sink's `write_lock` is held while a layer is
 scattered into its blocks, and failing a sink takes it first, so blocks are never freed
 to the caller's pool while still being written. Order: write_lock, then _lock.
-Callbacks (`free_blocks`, `on_ready`, `on_failed`) run with no lock held.
+Callbacks (`free_blocks`, `on_ready`, `on_end`, `on_failed`) run with no lock held.
+`on_end(rid, token)` hears the first token a prefill node's end frame carries, once the
+sink is ready, so the decode side need not wait for the prefill node's own reply.
 """
 
 from __future__ import annotations
@@ -156,6 +158,7 @@ class TransferAgent:
         host: str = "127.0.0.1",
         *,
         on_ready: Callable[[str], None] | None = None,
+        on_end: Callable[[str, int], None] | None = None,
         on_failed: Callable[[str, str], None] | None = None,
         reap_interval_s: float = 0.05,
         keep_s: float = 300.0,
@@ -173,6 +176,7 @@ class TransferAgent:
         self._device = self._caches[0].device
         self._num_blocks = self._caches[0].shape[1]
         self._free_blocks, self._on_ready, self._on_failed = free_blocks, on_ready, on_failed
+        self._on_first_token = on_end
         self._reap_interval_s, self._keep_s = reap_interval_s, keep_s
         self._secret, self._advertise_host = secret, advertise_host
         self._sinks: dict[str, _Sink] = {}
@@ -460,6 +464,9 @@ class TransferAgent:
             state = None if sink is None or sink.peer != peer else sink.state
         if state in (State.READY, State.RELEASED):
             self._reply(peer, Frame({"kind": DONE, "request_id": rid}))
+            token = header.get("first_token")
+            if state is State.READY and isinstance(token, int):
+                _call(self._on_first_token, rid, token)
         elif state is State.RECEIVING:
             assert sink is not None
             got = f"{len(sink.layers)} of {self.layout.num_layers}"

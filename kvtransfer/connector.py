@@ -164,45 +164,77 @@ def _fine_sleeps() -> None:
 _PR_SET_TIMERSLACK = 29
 
 
-class IdleConnections(Generic[C]):
-    """Senders' connections kept per address after a transfer ended cleanly, for the next
-    sender to the same address: at most `max_idle` per address (the rest are closed), and
-    one found no longer `usable` (its receiver went away, or left bytes on it), or parked
-    longer than `max_age_s` (its receiver may be closing it for idleness just now), is
-    closed rather than handed out. Thread-safe."""
+class LinkPool(Generic[C]):
+    """Senders' connections per address, each used by one sender at a time. At most
+    `max_links` per address exist, in use or parked, so a burst of transfers queues for a
+    connection instead of opening one each (an nccl connection is a communicator: 0.35 s
+    to set up on two H200s, and GPU buffers). `take` hands out a parked connection still
+    `usable` (its receiver did not go away nor leave bytes on it) and not parked longer
+    than `max_age_s`, else opens one while fewer than `max_links` exist, else waits for
+    one to come back, within its timeout. `give` parks a connection for the next sender;
+    `drop` closes one (it failed) and frees its place. Thread-safe."""
 
-    def __init__(self, max_idle: int, usable: Callable[[C], bool],
+    def __init__(self, max_links: int, usable: Callable[[C], bool],
                  close: Callable[[C], None], max_age_s: float = math.inf) -> None:
-        self.max_idle, self.max_age_s = max_idle, max_age_s
+        if max_links < 1:
+            raise ValueError(f"max_links must be at least 1, got {max_links}")
+        self.max_links, self.max_age_s = max_links, max_age_s
         self._usable, self._close = usable, close
         self._idle: dict[str, list[tuple[C, float]]] = {}  # (conn, parked at), newest last
-        self._lock = threading.Lock()
+        self._count: dict[str, int] = {}  # connections per address, in use, parked or opening
+        self._cond = threading.Condition()
 
-    def take(self, address: str) -> C | None:
+    def take(self, address: str, timeout: float, connect: Callable[[], C]) -> C:
+        """A connection to `address` for the caller alone; `connect()` opens one.
+        TransferError if none came free within `timeout`."""
+        deadline = time.monotonic() + timeout
         while True:
-            with self._lock:
+            with self._cond:
+                while not self._idle.get(address) and self._full(address):
+                    if not self._cond.wait(deadline - time.monotonic()):
+                        raise TransferError(
+                            f"all {self.max_links} connections to {address} stayed busy "
+                            f"for {timeout:g}s")
                 idle = self._idle.get(address)
                 if not idle:
-                    return None
+                    self._count[address] = self._count.get(address, 0) + 1
+                    break
                 conn, parked_at = idle.pop()
             if time.monotonic() - parked_at < self.max_age_s and self._usable(conn):
                 return conn
-            self._close(conn)
+            self.drop(address, conn)
+        try:
+            return connect()
+        except BaseException:
+            self._forget(address)
+            raise
 
-    def park(self, address: str, conn: C) -> None:
-        with self._lock:
-            idle = self._idle.setdefault(address, [])
-            if len(idle) < self.max_idle:
-                idle.append((conn, time.monotonic()))
-                return
+    def give(self, address: str, conn: C) -> None:
+        with self._cond:
+            self._idle.setdefault(address, []).append((conn, time.monotonic()))
+            self._cond.notify()
+
+    def drop(self, address: str, conn: C) -> None:
         self._close(conn)
+        self._forget(address)
 
     def close(self) -> None:
-        with self._lock:
+        """Close the parked connections (those in use are closed by their senders)."""
+        with self._cond:
             idle = [c for conns in self._idle.values() for c, _ in conns]
+            for address, conns in self._idle.items():
+                self._count[address] -= len(conns)
             self._idle = {}
         for conn in idle:
             self._close(conn)
+
+    def _full(self, address: str) -> bool:
+        return self._count.get(address, 0) >= self.max_links
+
+    def _forget(self, address: str) -> None:
+        with self._cond:
+            self._count[address] -= 1
+            self._cond.notify()
 
 
 # Given an incoming frame's header (which names the payload's shape and dtype), return

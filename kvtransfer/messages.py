@@ -40,7 +40,7 @@ _SCALARS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     BEGIN: (("request_id", "num_blocks"), ("auth",)),
     ACCEPT: (("request_id",), ()),
     LAYER: (("request_id", "layer"), ("layers", "dtype")),
-    END: (("request_id",), ()),
+    END: (("request_id",), ("first_token",)),
     DONE: (("request_id",), ()),
     ABORT: (("request_id",), ("reason", "error", "auth")),
     NCCL_HELLO: (("backend",), ("nonce", "at", "auth")),

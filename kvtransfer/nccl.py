@@ -62,7 +62,7 @@ from tandem.kvtransfer.connector import (
     ErrorHandler,
     Frame,
     FrameHandler,
-    IdleConnections,
+    LinkPool,
     Receiver,
     TransferError,
     payload_spec,
@@ -107,7 +107,7 @@ class NcclConnector(Connector):
         device: str | torch.device | None = None,
         io_timeout: float = 30.0,
         setup_timeout: float = 30.0,
-        max_idle: int = 2,
+        max_links: int = 1,
         secret: bytes | None = None,
     ) -> None:
         """`secret`: the cluster secret; a receiver then sets up a connection (its process
@@ -127,8 +127,7 @@ class NcclConnector(Connector):
         self.io_timeout, self.setup_timeout = io_timeout, setup_timeout
         self.secret = secret
         self._tcp = TcpConnector(io_timeout, max_idle=0)  # NcclLink keeps the whole link
-        # parked connections per address (0: close at once); see `sender`
-        self._idle = IdleConnections(max_idle, NcclLink.drain, NcclLink.close)
+        self._links = LinkPool(max_links, NcclLink.drain, NcclLink.close)  # see `sender`
 
     def receiver(
         self,
@@ -146,20 +145,28 @@ class NcclConnector(Connector):
         )
 
     def sender(self, address: str, connect_timeout: float = 5.0) -> NcclSender:
-        # A connection costs a rendezvous and, under NCCL, a communicator (0.35 s to set
-        # up on two H200s, and GPU buffers), while KVPush opens a sender per request; so a
-        # sender closed cleanly, at a frame boundary, parks its connection for the next
-        # sender to the same address. A parked one whose receiver went away is dropped.
-        link = self._idle.take(address) or self._connect(address, connect_timeout)
+        """A sender on a connection of its own until it closes. A connection costs a
+        rendezvous and, under NCCL, a communicator (0.35 s to set up on two H200s, and GPU
+        buffers), while KVPush opens a sender per request; so at most `max_links`
+        connections per address exist (one by default: NCCL kernels of several
+        communicators between the same two GPUs can wait on each other, and each posted
+        receive spins on the decode GPU's SMs), a sender closed cleanly (at a frame boundary,
+        every send done) parks its connection for the next, and a burst of senders waits
+        (up to `io_timeout`) for one of those rather than opening more."""
+        link = self._links.take(address, self.io_timeout,
+                                lambda: self._connect(address, connect_timeout))
         return NcclSender(self, link, address)
 
-    def park(self, address: str, link: NcclLink) -> None:
-        """Keep a cleanly closed sender's connection for the next sender to `address`."""
-        self._idle.park(address, link)
+    def give_back(self, address: str, link: NcclLink, reusable: bool) -> None:
+        """A sender is done with `link`: parked for the next sender, or closed."""
+        if reusable:
+            self._links.give(address, link)
+        else:
+            self._links.drop(address, link)
 
     def close(self) -> None:
         """Close the idle connections this connector keeps for reuse."""
-        self._idle.close()
+        self._links.close()
 
     def _connect(self, address: str, connect_timeout: float) -> NcclLink:
         try:

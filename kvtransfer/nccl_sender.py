@@ -103,13 +103,20 @@ class NcclSender(Sender):
             raise
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            if self._owed is None and all(h.done() for h in self._in_flight):
-                self._connector.park(self._address, self._link)
-            else:  # mid-message or a receive posted for nothing: the link can't be reused
-                self._link.close()
-            self._in_flight = []
+        """Give the connection back: parked for the next sender once every send is done
+        (they are by the receiver's reply, but NCCL may say so a moment later), unless a
+        receive is posted for a message it never sent; closed otherwise."""
+        if self._closed:
+            return
+        self._closed = True
+        reusable = self._owed is None
+        try:
+            for handle in self._in_flight:
+                handle.wait(self._io_timeout)
+        except TransferError:
+            reusable = False
+        self._in_flight = []
+        self._connector.give_back(self._address, self._link, reusable)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -117,8 +124,9 @@ class NcclSender(Sender):
             raise TransferError(f"connection to {self._address} is closed{why}")
 
     def _fail(self, why: str) -> None:
+        if not self._closed:
+            self._connector.give_back(self._address, self._link, reusable=False)
         self._broken, self._closed = why, True
-        self._link.close()
 
 
 class _NcclSend(SendHandle):

@@ -201,13 +201,17 @@ class KVPush:
             if self._direct:
                 self._raise_if_aborted()
 
-    def finish(self) -> None:
-        """Close the transfer; returns once the receiver confirmed every layer landed."""
+    def finish(self, first_token: int | None = None) -> None:
+        """Close the transfer; returns once the receiver confirmed every layer landed.
+        `first_token`, the token sampled from the prompt, rides in the end frame."""
         if not self._plan:  # a planned message goes out only whole, as announced
             self._flush()
         for slot in range(len(self._in_flight)):
             self._settle(slot)
-        self._send({"kind": END})
+        end: dict[str, Any] = {"kind": END}
+        if first_token is not None:
+            end["first_token"] = first_token
+        self._send(end)
         try:
             self._await(DONE)
         except BaseException:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from tandem.engine import trace
-from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.llm_engine import LLMEngine, bind_thread
 from tandem.engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -154,6 +154,7 @@ class EngineLoop:
 
     def run(self) -> None:
         """Step until `close()`; on the loop's own thread, or the owner's (thread=False)."""
+        bind_thread(self.engine.device)
         try:
             while not self._closed.is_set():
                 self._run_calls(block=not self.engine.has_unfinished)

@@ -21,9 +21,14 @@ Meanwhile another request may share a held full block from the prefix cache, whi
 reads it.
 
 Staging is bounded per push by KVPush's ring (`ring` slots of at most `message_bytes`,
-allocated once the receiver accepted), and a push lives at most until its sink's expiry
-plus a grace; beyond that a slow receiver holds only its prompt's blocks, in the engine's
-own pool, for as long.
+allocated once the receiver accepted), and per node by the pushes that may stage at once
+(`MAX_STAGED_PUSHES`; the others wait for a slot before they open); a push lives at most
+until its sink's expiry plus a grace; beyond that a slow receiver holds only its prompt's
+blocks, in the engine's own pool, for as long.
+
+The push's end frame carries the prompt's first token (it waits for the step's sampling,
+which ends as its copies do), so the decode node starts decoding without waiting for this
+node's reply.
 
 With the cluster secret every push proves it to the receiver (`auth`). A sink that has
 expired is refused before anything is computed, and one that expires while its prompt
@@ -39,14 +44,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from tandem.engine import trace
 from tandem.engine.block_pool import Block
-from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.llm_engine import LLMEngine, bind_thread
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request
 from tandem.kvtransfer.agent import SinkInfo
@@ -62,6 +68,11 @@ log = logging.getLogger(__name__)
 # sink, or its `done` for one that became ready just in time, is still on its way.
 EXPIRY_GRACE_S = 5.0
 _CLOSE_WAIT_S = 10.0  # close(): how long to wait for cancelled transfer threads in all
+
+# Pushes that stage their KV (every connector but ipc) at once per node: each holds
+# `ring` staging buffers of up to 64 MiB in device memory outside the KV budget, and a
+# burst puts a push in flight for every prompt computed; the rest wait their turn.
+MAX_STAGED_PUSHES = 4
 
 # What the engine thread hands a transfer thread: a computed layer (with, on CUDA, the
 # event recorded after its compute), or the error it should give up with.
@@ -111,6 +122,7 @@ class PrefillRole:
         # is computed: a copy per layer saves little on one host, and its host work per
         # layer slowed the engine's own step by a third (Llama-3-8B shape, one H100).
         self._whole = getattr(connector, "direct", False)
+        self._staging = None if self._whole else threading.BoundedSemaphore(MAX_STAGED_PUSHES)
         loop.engine.prefill_hook = self._hook
 
     async def run(self, req: Request, sink: SinkInfo, first_block: int,
@@ -203,7 +215,7 @@ class PrefillRole:
                            secret=self._secret, all_computed=whole, **self._timeouts),
             self._rows.caches[0].device, pending.deadline,
             lambda error: self._pushed(pending, transfer, blocks, error),
-            self.layout.num_layers if whole else 0)
+            self.layout.num_layers if whole else 0, self._staging)
         with self._lock:
             if pending.result.done():  # the caller gave up meanwhile
                 return None
@@ -228,6 +240,7 @@ class PrefillRole:
         elif pending.transfer is None:
             error = pending.error or TransferError(f"no KV push was opened for {rid!r}")
         else:
+            pending.transfer.sampled(out.token_ids[0])
             with self._lock:
                 pending.output = out
             self._complete(pending)
@@ -311,8 +324,11 @@ class _Transfer:
 
     def __init__(self, open_push: Callable[[], KVPush], device: torch.device,
                  deadline: float, on_end: Callable[[BaseException | None], None],
-                 whole: int = 0) -> None:
+                 whole: int = 0, staging: threading.Semaphore | None = None) -> None:
+        """`staging`: a slot of it is held from the push's open to its end."""
         self._open_push, self._device = open_push, device
+        self._staging = staging
+        self._first_token: Future[int] = Future()  # the end frame carries it
         self._deadline, self._on_end = deadline, on_end
         self._last = whole - 1  # whole: the one layer handed over (-1: every layer)
         self._items: queue.SimpleQueue[_Item] = queue.SimpleQueue()
@@ -333,9 +349,17 @@ class _Transfer:
             event.record(torch.cuda.current_stream(self._device))
         self._items.put((layer, event))
 
+    def sampled(self, token: int) -> None:
+        """The engine thread, once the prompt's step sampled `token`."""
+        if not self._first_token.done():
+            self._first_token.set_result(token)
+
     def cancel(self, error: BaseException) -> None:
-        """Any thread: give up with `error` at the next layer the push waits for."""
+        """Any thread: give up with `error` at the next layer the push waits for (or the
+        first token)."""
         self._items.put(error)
+        with contextlib.suppress(InvalidStateError):
+            self._first_token.set_exception(error)
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -343,6 +367,7 @@ class _Transfer:
     # -- on the transfer thread --------------------------------------------------------------
 
     def _run(self) -> None:
+        bind_thread(self._device)
         stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
         error: BaseException | None = None
         try:
@@ -357,6 +382,17 @@ class _Transfer:
         self._on_end(error)
 
     def _push(self) -> None:
+        if self._staging is None:
+            self._push_now()
+            return
+        if not self._staging.acquire(timeout=max(0.0, self._deadline - time.monotonic())):
+            raise TransferError("no staging slot came free before the sink expired")
+        try:
+            self._push_now()
+        finally:
+            self._staging.release()
+
+    def _push_now(self) -> None:
         with self._open_push() as push:  # an error leaving the block aborts the push
             rid = push.sink.request_id
             push.start()
@@ -369,8 +405,16 @@ class _Transfer:
                 for _ in range(push.layout.num_layers):
                     push.send_layer(self._next_layer())
             trace.mark(rid, "push.layers_sent")
-            push.finish()
+            push.finish(self._sampled())
             trace.mark(rid, "push.done")
+
+    def _sampled(self) -> int:
+        """The first token, once the engine thread sampled it (as the layers land)."""
+        try:
+            return self._first_token.result(max(0.0, self._deadline - time.monotonic()))
+        except FutureTimeout:
+            raise TransferError("the prompt's first token was not sampled before the sink "
+                                "expired") from None
 
     def _next_layer(self) -> int:
         """The next computed layer, its compute ordered before the work this thread

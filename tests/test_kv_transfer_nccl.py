@@ -62,9 +62,9 @@ def inbox() -> Iterator[tuple[Inbox, Any]]:
 # -- frames ----------------------------------------------------------------------------
 
 
-def test_a_closed_sender_parks_its_connection_for_the_next(inbox) -> None:  # noqa: ANN001
+def test_senders_reuse_at_most_max_links_connections_and_wait_for_one(inbox) -> None:  # noqa: ANN001
     box, receiver = inbox
-    connector = _connector(max_idle=1)
+    connector = _connector(max_links=2)
     first = connector.sender(receiver.address)
     first.send(numbered_frame(0, 0))
     assert box.wait(frames=1)
@@ -78,16 +78,37 @@ def test_a_closed_sender_parks_its_connection_for_the_next(inbox) -> None:  # no
     second.send(numbered_frame(0, 1))
     assert box.wait(frames=2)
     assert box.frames[1].peer == box.frames[0].peer and box.errors == []  # one connection
-    third = connector.sender(receiver.address)  # none parked: a new connection
+    third = connector.sender(receiver.address)  # the parked one is in use: a new one
     third.send(numbered_frame(0, 2))
     assert box.wait(frames=3) and box.frames[2].peer != box.frames[0].peer
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(connector.sender(receiver.address)))
+    waiter.start()
+    waiter.join(0.5)
+    assert got == []  # both connections are in use: it waits for one, opening none
+    third.close()
+    waiter.join(5)
+    fourth = got[0]
+    fourth.send(numbered_frame(0, 3))
+    assert box.wait(frames=4) and box.frames[3].peer == box.frames[2].peer
     second.close()
-    third.close()  # max_idle=1: this one really closes
-    assert box.wait(errors=1, timeout=5) and box.errors[0][0] == box.frames[2].peer
+    fourth.close()
     receiver.close()
     with pytest.raises(TransferError, match="cannot connect"):
-        connector.sender(receiver.address, connect_timeout=1)  # the parked one is dropped
-    assert len(box.errors) == 1  # close() is not an error
+        connector.sender(receiver.address, connect_timeout=1)  # the parked ones are dropped
+    assert box.errors == []  # close() is not an error
+
+
+def test_a_sender_waits_no_longer_than_io_timeout_for_a_busy_connection(inbox) -> None:  # noqa: ANN001
+    _, receiver = inbox
+    connector = _connector(max_links=1, io_timeout=0.5)
+    busy = connector.sender(receiver.address)
+    start = time.monotonic()
+    with pytest.raises(TransferError, match="all 1 connections .* stayed busy"):
+        connector.sender(receiver.address)
+    assert 0.4 < time.monotonic() - start < 2
+    busy.close()
+    connector.sender(receiver.address).close()  # the parked one
 
 
 def test_connect_to_a_dead_address_fails_fast() -> None:

@@ -29,7 +29,7 @@ from kv_helpers import (
 
 from tandem.kvtransfer.agent import UNAUTHENTICATED, State, TransferAgent
 from tandem.kvtransfer.auth import proof
-from tandem.kvtransfer.connector import Allocator, Frame, IdleConnections, TransferError
+from tandem.kvtransfer.connector import Allocator, Frame, LinkPool, TransferError
 from tandem.kvtransfer.layout import KVLayout
 from tandem.kvtransfer.messages import encode
 from tandem.kvtransfer.sender import push
@@ -521,9 +521,11 @@ def test_a_sender_does_not_reuse_a_parked_connection_the_receiver_closed() -> No
 
 def test_parked_connections_are_dropped_after_their_max_age() -> None:
     closed: list[str] = []
-    idle = IdleConnections(2, lambda conn: True, closed.append, max_age_s=0.1)
-    idle.park("x", "young")
-    assert idle.take("x") == "young" and closed == []
-    idle.park("x", "old")
+    opened = iter(["new"])
+    pool = LinkPool(1, lambda conn: True, closed.append, max_age_s=0.1)
+    assert pool.take("x", 1, lambda: next(opened)) == "new"
+    pool.give("x", "young")
+    assert pool.take("x", 1, lambda: "unused") == "young" and closed == []
+    pool.give("x", "old")
     time.sleep(0.15)
-    assert idle.take("x") is None and closed == ["old"]
+    assert pool.take("x", 1, lambda: "fresh") == "fresh" and closed == ["old"]
