@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import platform
 import shlex
@@ -114,6 +115,10 @@ def parse_args() -> argparse.Namespace:
                         f"(repeat; default: {' and '.join(WORKLOADS)})")
     g.add_argument("--slos", default="ttft:500 tpot:50",
                    help="tandem bench serve --goodput (default: %(default)s)")
+    g.add_argument("--tight-slos", default="ttft:500 tpot:15",
+                   help="a second SLO pair, judged from each request's TTFT and TPOT "
+                        "(where a colocated node's prefills break its decodes' pace; "
+                        "default: %(default)s)")
     g.add_argument("--attainment-goal", type=float, default=0.9,
                    help="a sweep reports the highest rate at this SLO attainment "
                         "(default: %(default)s)")
@@ -288,6 +293,45 @@ def goodput(args: argparse.Namespace, raw: dict[str, dict[str, list[dict[str, An
     return rates, ratios
 
 
+def _slo_ms(slos: str) -> dict[str, float]:
+    """`ttft:500 tpot:15` -> {"ttft": 500.0, "tpot": 15.0}."""
+    return {k: float(v) for k, v in (part.split(":") for part in slos.split())}
+
+
+def attainment(result: dict[str, Any], slos: str) -> float:
+    """The share of a run's requests that met `slos` (ttft, tpot in ms), from its
+    per-request lists; a failed request meets none."""
+    limit = _slo_ms(slos)
+    met = 0
+    for ttft, latency, out, error in zip(result["ttfts"], result["latencies"],
+                                         result["output_lens"], result["errors"]):
+        tpot = (latency - ttft) / (out - 1) if out > 1 else 0.0
+        met += not error and ttft * 1e3 <= limit.get("ttft", math.inf) and (
+            tpot * 1e3 <= limit.get("tpot", math.inf))
+    return met / max(1, len(result["ttfts"]))
+
+
+def capacity(args: argparse.Namespace, engine_ms: list[float],
+             raw: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """The prefill GPU's rate, R = its prefill tokens/s (the engine's, measured in this
+    run) / the prompt length, per workload; and at each SLO pair each configuration's
+    highest rate at the attainment goal, and 1P1D's as a share of R and of colocated's."""
+    tokens_s = args.ttft_len / (statistics.median(engine_ms) / 1e3)
+    out: dict[str, Any] = {"prefill_tokens_per_s": tokens_s, "workloads": {}}
+    for w in args.workload:
+        entry: dict[str, Any] = {"R": tokens_s / w.input_len}
+        for slos in (args.slos, args.tight_slos):
+            held = {}
+            for name, runs in raw.items():
+                rates = [float(r["request_rate"]) for r in runs[w.name]
+                         if attainment(r, slos) >= args.attainment_goal]
+                held[name] = max(rates) if rates else None
+            entry[slos] = {"max_rate": held, "of_R": {
+                n: r / entry["R"] for n, r in held.items() if r is not None}}
+        out["workloads"][w.name] = entry
+    return out
+
+
 def _num(x: float | None, unit: str = "") -> str:
     return "none" if x is None else f"{x:,.4g}{unit}"
 
@@ -329,6 +373,21 @@ def markdown(args: argparse.Namespace, doc: dict[str, Any]) -> str:
                 r = doc["runs"][name][w.name][i]
                 row += (f" {r['slo_attainment']:.1%}, {r['request_goodput']:.1f},"
                         f" {r['p90_ttft_ms']:,.0f} ms |")
+            lines.append(row)
+    cap = doc["capacity"]
+    lines += ["", f"Prefill capacity of one GPU (the engine's {args.ttft_len:,}-token prefill):"
+              f" {cap['prefill_tokens_per_s']:,.0f} tokens/s. Highest rate at {goal} "
+              "attainment (share of R):", "",
+              "| workload | R req/s | SLOs |" + "".join(f" {n} |" for n in names),
+              "|" + " --- |" * (3 + len(names))]
+    for w in args.workload:
+        entry = cap["workloads"][w.name]
+        for slos in (args.slos, args.tight_slos):
+            row = f"| {w.input_len:,} -> {w.output_len} | {entry['R']:.1f} | `{slos}` |"
+            for name in names:
+                rate = entry[slos]["max_rate"][name]
+                share = entry[slos]["of_R"].get(name)
+                row += f" {_num(rate)}" + (f" ({share:.0%})" if share else "") + " |"
             lines.append(row)
     if "transfer" in doc:
         t = doc["transfer"]
@@ -378,6 +437,7 @@ def main() -> None:
     doc["max_rate"], doc["ratio_to_colocated"] = goodput(args, raw)
     doc["attainment_goal"] = args.attainment_goal
     doc["ttft"] = ttft_overhead(args, engine_ms, raw)
+    doc["capacity"] = capacity(args, engine_ms, raw)
     table = markdown(args, doc)
     print("\n" + table)
     if args.json:

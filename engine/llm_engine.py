@@ -79,15 +79,6 @@ class LLMEngine:
         bind_thread(device)  # this thread captures graphs and may step the engine
         torch.manual_seed(config.seed)
         backend = config.attention_backend
-        if backend is None and (mc.sliding_layers or mc.attn_softcap):
-            # The Triton kernels' sliding window and soft-capping are checked under Triton's
-            # interpreter; until a GPU run has checked them, such a model takes the torch
-            # backend unless asked for triton.
-            if device.type == "cuda":
-                log.warning("%s: the torch attention backend (attention_backend='triton' "
-                            "for the kernels' sliding window and soft-capping)",
-                            mc.architecture)
-            backend = "torch"
         attention = make_backend(backend, device, config.cache.block_size, mc.num_kv_heads)
         self.attention_backend = attention.name
         with torch.device(device):
@@ -165,9 +156,13 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> Request:
         """Validate and tokenize; raises ValueError naming the problem. Changes nothing."""
-        if request_id in self._requests:
+        if self.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         return self.validate_request(request_id, prompt, params, cache_salt)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether `request_id` is in the engine (one dict lookup: any thread may ask)."""
+        return request_id in self._requests
 
     def validate_request(
         self,

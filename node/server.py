@@ -188,7 +188,7 @@ class NodeService(pb_grpc.NodeServicer):
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> pb.ReserveReply:
         self._serving(pb.DECODE)
-        req = await self._request(request.request)
+        req = self._request(request.request)
         made = await asyncio.wrap_future(
             self.decode.reserve(req, _ttl(request.ttl_s, self.timeouts)))
         return pb.ReserveReply(
@@ -207,7 +207,7 @@ class NodeService(pb_grpc.NodeServicer):
         async with _Held(self, rid):
             # A reserved request is in the engine already (its id is taken, rightly); with
             # a plan, this call reserves it.
-            req = await self._request(request.request, reserved=plan is None)
+            req = self._request(request.request, reserved=plan is None)
             chunks = Chunks(rid, pb.GenerateChunk())
             stream = CallStream(self.bridge) if outbox is None else None
             listener = stream.listener if stream is not None else outbox.listener(chunks)
@@ -252,7 +252,7 @@ class NodeService(pb_grpc.NodeServicer):
         sink, first_block = convert.sink_from_pb(request.sink)
         async with _Held(self, request.request.request_id):
             trace.mark(request.request.request_id, "prefill.call")
-            req = await self._request(request.request)
+            req = self._request(request.request)
             started = time.monotonic()
             result = await self.prefill.run(req, sink, first_block)
             trace.mark(req.request_id, "prefill.reply")
@@ -391,16 +391,18 @@ class NodeService(pb_grpc.NodeServicer):
                          f"no Outputs stream {subscriber!r} is open here")
         return outbox
 
-    async def _request(self, msg: pb.Request, reserved: bool = False) -> Request:
+    def _request(self, msg: pb.Request, reserved: bool = False) -> Request:
+        """The request `msg` describes, checked against the engine (its context length and
+        vocabulary, and unless `reserved`, that its id is not in use). Here on the asyncio
+        loop, not a hop to the engine loop (which may be mid-step): the checks read only
+        what never changes and one dict lookup; the engine's `add` checks the id again."""
         if not msg.request_id:
             raise ValueError("request_id is empty")
-
-        def make(e: LLMEngine) -> Request:
-            params = convert.sampling_from_pb(msg.sampling)
-            made = e.validate_request if reserved else e.make_request  # add() checks the id
-            return made(msg.request_id, list(msg.prompt_token_ids), params)
-
-        return await engine_call(self.loop, make)
+        engine = self.loop.engine
+        if not reserved and engine.has_request(msg.request_id):
+            raise ValueError(f"request id {msg.request_id!r} is already in use")
+        params = convert.sampling_from_pb(msg.sampling)
+        return engine.validate_request(msg.request_id, list(msg.prompt_token_ids), params)
 
     async def aclose(self) -> None:
         """On the asyncio loop: end the Outputs streams and the peers' channels."""
