@@ -72,6 +72,7 @@ class Driver:
             await self._compute_here(req, listener)
             return
         timeout = _prefill_timeout(plan, self.timeouts)
+        trace.mark(rid, "decode.reserve")
         made = await self._reserve(req, timeout + self.timeouts.transfer_grace_s, deadline_s)
         trace.mark(rid, "decode.reserved")
         head.queued_s = made.queued_s

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from tandem.engine import trace
 from tandem.engine.llm_engine import KVCacheFull, LLMEngine
 from tandem.engine.request import Request
 from tandem.kvtransfer.agent import SinkInfo, TransferAgent
@@ -120,6 +121,7 @@ class DecodeRole:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
             self._prealloc.append(queued)
             self._queued[req.request_id] = queued
+            trace.mark(req.request_id, "decode.queued")
 
         joined = self.loop.submit(join)
         joined.add_done_callback(lambda f: _pass_error(f, queued.reserved))
@@ -153,6 +155,7 @@ class DecodeRole:
                      queued_s: float) -> Reservation:
         cached = engine.reserve(req, keep_free)
         rid = req.request_id
+        trace.mark(rid, "decode.blocks")
         first_block = cached // self.layout.block_size
         ids = tuple(req.block_ids[first_block:])
         arrival = _Arrival()
@@ -165,6 +168,7 @@ class DecodeRole:
             self._arrivals.pop(rid, None)
             engine.release_reserved(rid)
             raise
+        trace.mark(rid, "decode.sink")
         return Reservation(sink, first_block, cached, queued_s, arrival.kv,
                            arrival.first_token)
 

@@ -175,6 +175,7 @@ class PrefillRole:
             # On the loop thread, so no step runs before the listener is in place; and
             # only once the engine took the request: an id in use keeps its listener.
             engine.add(one)
+            trace.mark(rid, "prefill.added")
             self._pending[rid] = pending
             self.loop.listen(rid, lambda out: self._on_output(rid, out))
 
