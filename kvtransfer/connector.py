@@ -172,7 +172,8 @@ class LinkPool(Generic[C]):
     `usable` (its receiver did not go away nor leave bytes on it) and not parked longer
     than `max_age_s`, else opens one while fewer than `max_links` exist, else waits for
     one to come back, within its timeout. `give` parks a connection for the next sender;
-    `drop` closes one (it failed) and frees its place. Thread-safe."""
+    `drop` closes one (it failed) and frees its place. Once `close`d, a connection given
+    back is closed and `take` fails. Thread-safe."""
 
     def __init__(self, max_links: int, usable: Callable[[C], bool],
                  close: Callable[[C], None], max_age_s: float = math.inf) -> None:
@@ -183,6 +184,7 @@ class LinkPool(Generic[C]):
         self._idle: dict[str, list[tuple[C, float]]] = {}  # (conn, parked at), newest last
         self._count: dict[str, int] = {}  # connections per address, in use, parked or opening
         self._cond = threading.Condition()
+        self._closed = False
 
     def take(self, address: str, timeout: float, connect: Callable[[], C]) -> C:
         """A connection to `address` for the caller alone; `connect()` opens one.
@@ -190,11 +192,13 @@ class LinkPool(Generic[C]):
         deadline = time.monotonic() + timeout
         while True:
             with self._cond:
-                while not self._idle.get(address) and self._full(address):
+                while not self._closed and not self._idle.get(address) and self._full(address):
                     if not self._cond.wait(deadline - time.monotonic()):
                         raise TransferError(
                             f"all {self.max_links} connections to {address} stayed busy "
                             f"for {timeout:g}s")
+                if self._closed:
+                    raise TransferError(f"cannot connect to {address}: the connector is closed")
                 idle = self._idle.get(address)
                 if not idle:
                     self._count[address] = self._count.get(address, 0) + 1
@@ -211,8 +215,11 @@ class LinkPool(Generic[C]):
 
     def give(self, address: str, conn: C) -> None:
         with self._cond:
-            self._idle.setdefault(address, []).append((conn, time.monotonic()))
-            self._cond.notify()
+            if not self._closed:
+                self._idle.setdefault(address, []).append((conn, time.monotonic()))
+                self._cond.notify()
+                return
+        self.drop(address, conn)
 
     def drop(self, address: str, conn: C) -> None:
         self._close(conn)
@@ -221,10 +228,12 @@ class LinkPool(Generic[C]):
     def close(self) -> None:
         """Close the parked connections (those in use are closed by their senders)."""
         with self._cond:
+            self._closed = True
             idle = [c for conns in self._idle.values() for c, _ in conns]
             for address, conns in self._idle.items():
                 self._count[address] -= len(conns)
             self._idle = {}
+            self._cond.notify_all()  # waiting senders fail now
         for conn in idle:
             self._close(conn)
 

@@ -529,3 +529,26 @@ def test_parked_connections_are_dropped_after_their_max_age() -> None:
     pool.give("x", "old")
     time.sleep(0.15)
     assert pool.take("x", 1, lambda: "fresh") == "fresh" and closed == ["old"]
+
+
+def test_a_closed_pool_closes_what_comes_back_and_fails_its_waiters() -> None:
+    closed: list[str] = []
+    pool = LinkPool(1, lambda conn: True, closed.append)
+    assert pool.take("x", 1, lambda: "busy") == "busy"
+    failed: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            pool.take("x", 30, lambda: "never")
+        except TransferError as exc:
+            failed.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.1)
+    start = time.monotonic()
+    pool.close()
+    waiter.join(5)
+    assert time.monotonic() - start < 1 and "closed" in str(failed[0])
+    pool.give("x", "busy")  # its sender ends after the close: closed, not parked
+    assert closed == ["busy"]
