@@ -22,7 +22,7 @@ reads it.
 
 Staging is bounded per push by KVPush's ring (`ring` slots of at most `message_bytes`,
 allocated once the receiver accepted), and per node by the pushes that may stage at once
-(`MAX_STAGED_PUSHES`; the others wait for a slot before they open); a push lives at most
+(on a GPU, `MAX_STAGED_PUSHES`; the others wait for a slot before they open); a push lives at most
 until its sink's expiry plus a grace; beyond that a slow receiver holds only its prompt's
 blocks, in the engine's own pool, for as long.
 
@@ -69,9 +69,9 @@ log = logging.getLogger(__name__)
 EXPIRY_GRACE_S = 5.0
 _CLOSE_WAIT_S = 10.0  # close(): how long to wait for cancelled transfer threads in all
 
-# Pushes that stage their KV (every connector but ipc) at once per node: each holds
-# `ring` staging buffers of up to 64 MiB in device memory outside the KV budget, and a
-# burst puts a push in flight for every prompt computed; the rest wait their turn.
+# Pushes from a GPU that stage their KV (every connector but ipc) at once per node: each
+# holds `ring` staging buffers of up to 64 MiB in device memory outside the KV budget, and
+# a burst puts a push in flight for every prompt computed; the rest wait their turn.
 MAX_STAGED_PUSHES = 4
 
 # What the engine thread hands a transfer thread: a computed layer (with, on CUDA, the
@@ -122,7 +122,10 @@ class PrefillRole:
         # is computed: a copy per layer saves little on one host, and its host work per
         # layer slowed the engine's own step by a third (Llama-3-8B shape, one H100).
         self._whole = getattr(connector, "direct", False)
-        self._staging = None if self._whole else threading.BoundedSemaphore(MAX_STAGED_PUSHES)
+        # Staging in device memory is bounded; on the CPU it is host memory, unbounded.
+        on_cuda = self._rows.caches[0].device.type == "cuda"
+        self._staging = (threading.BoundedSemaphore(MAX_STAGED_PUSHES)
+                         if on_cuda and not self._whole else None)
         loop.engine.prefill_hook = self._hook
 
     async def run(self, req: Request, sink: SinkInfo, first_block: int,
