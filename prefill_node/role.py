@@ -355,7 +355,7 @@ class _Transfer:
 
     def sampled(self, token: int) -> None:
         """The engine thread, once the prompt's step sampled `token`."""
-        if not self._first_token.done():
+        with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
             self._first_token.set_result(token)
 
     def cancel(self, error: BaseException) -> None:
