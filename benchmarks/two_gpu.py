@@ -17,6 +17,17 @@ Defaults are the run of record, on `nvidia-h200-x2` (estimated at 15-20 minutes)
         --json benchmarks/results/two_gpu_nvidia-h200-x2.json \\
         --plot benchmarks/results/two_gpu_nvidia-h200-x2.png
 
+A command may run for at most so long on a lent machine, so the run can be split: each
+call runs some configurations (`--only`) and writes what it measured (`--part`); a later
+call reads earlier parts (`--merge`), skips what they hold, and once every configuration
+is measured writes the tables, JSON and plots (a final `--merge` of every part needs no
+GPU):
+
+    python benchmarks/two_gpu.py --only ipc --part p1.json
+    python benchmarks/two_gpu.py --merge p1.json --only colocated --part p2.json
+    python benchmarks/two_gpu.py --merge p1.json p2.json --only nccl --part p3.json
+    python benchmarks/two_gpu.py --merge p1.json p2.json p3.json --json ... --plot ...
+
 Every piece is a flag, so the same code dry-runs on a CPU (`--skip-transfer` skips the
 GPU-only part 3; `nccl` runs over gloo there):
 
@@ -158,6 +169,15 @@ def parse_args() -> argparse.Namespace:
     g.add_argument("--plot", type=Path, default=None,
                    help="one sweep figure per workload (its name appended to the stem)")
     g.add_argument("--note", default="", help="said in the JSON")
+    g = p.add_argument_group("a run split over several calls")
+    g.add_argument("--only", default=None, metavar="NAMES",
+                   help="run only these configurations: connector names and 'colocated', "
+                        "comma-separated (default: every one not in --merge's parts)")
+    g.add_argument("--part", type=Path, default=None,
+                   help="write what this call measured (per-request lists too) here")
+    g.add_argument("--merge", type=Path, nargs="+", default=[], metavar="PART",
+                   help="earlier calls' --part files: their measurements are reused, not "
+                        "run again (the machine is the first part's)")
     args = p.parse_args()
     args.workload = args.workload or [_workload(w) for w in WORKLOADS]
     args.connectors = [c.strip() for c in args.connectors.split(",") if c.strip()]
@@ -171,6 +191,31 @@ def configurations(args: argparse.Namespace) -> dict[str, str]:
                                   f"--decode-devices {second} --connector {c}"
                      for c in args.connectors}
     return disaggregated | {COLOCATED: f"--colocated 2 --decode-devices {first},{second}"}
+
+
+def selected(args: argparse.Namespace, configs: dict[str, str]) -> dict[str, str]:
+    """The configurations `--only` names (all of them without it)."""
+    if args.only is None:
+        return configs
+    wanted = {n.strip() for n in args.only.split(",") if n.strip()}
+    names = {n: n.split()[-1] if n != COLOCATED else "colocated" for n in configs}
+    unknown = wanted - set(names.values())
+    if unknown:
+        raise SystemExit(f"--only: no configuration {sorted(unknown)}; "
+                         f"choose from {sorted(names.values())}")
+    return {n: f for n, f in configs.items() if names[n] in wanted}
+
+
+def load_parts(paths: list[Path]) -> dict[str, Any]:
+    """Earlier calls' measurements, merged: machine, engine_ms, transfer, raw."""
+    merged: dict[str, Any] = {"raw": {}}
+    for path in paths:
+        part = json.loads(path.read_text())
+        for key in ("machine", "engine_ms", "transfer"):
+            if key in part and key not in merged:
+                merged[key] = part[key]
+        merged["raw"].update(part["raw"])
+    return merged
 
 
 def ttft_flags(args: argparse.Namespace) -> str:
@@ -311,6 +356,25 @@ def attainment(result: dict[str, Any], slos: str) -> float:
     return met / max(1, len(result["ttfts"]))
 
 
+def ideal_fifo(rate: float, service_s: float, ttft_s: float, requests: int,
+               runs: int = 400) -> float:
+    """The mean SLO attainment of an ideal prefill server: one FIFO queue, each prompt
+    taking `service_s` with nothing else added, Poisson arrivals at `rate` (`runs`
+    seeded runs of `requests` each): the most any 1P1D with one prefill GPU of that speed
+    can hold at `ttft_s`, whatever its serving path costs."""
+    import random
+
+    met = 0
+    for seed in range(runs):
+        arrivals = random.Random(seed)
+        now = free = 0.0
+        for _ in range(requests):
+            now += arrivals.expovariate(rate)
+            free = max(now, free) + service_s
+            met += free - now <= ttft_s
+    return met / (runs * requests)
+
+
 def capacity(args: argparse.Namespace, engine_ms: list[float],
              raw: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
     """The prefill GPU's rate, R = its prefill tokens/s (the engine's, measured in this
@@ -320,6 +384,10 @@ def capacity(args: argparse.Namespace, engine_ms: list[float],
     out: dict[str, Any] = {"prefill_tokens_per_s": tokens_s, "workloads": {}}
     for w in args.workload:
         entry: dict[str, Any] = {"R": tokens_s / w.input_len}
+        ttft_s = _slo_ms(args.slos).get("ttft", math.inf) / 1e3
+        entry["ideal_fifo_attainment"] = {
+            f"{r:g}": ideal_fifo(r, w.input_len / tokens_s, ttft_s, w.num_prompts)
+            for r in w.rates}
         for slos in (args.slos, args.tight_slos):
             held = {}
             for name, runs in raw.items():
@@ -389,6 +457,13 @@ def markdown(args: argparse.Namespace, doc: dict[str, Any]) -> str:
                 share = entry[slos]["of_R"].get(name)
                 row += f" {_num(rate)}" + (f" ({share:.0%})" if share else "") + " |"
             lines.append(row)
+    lines += ["", "An ideal prefill server of that rate (one FIFO queue, nothing but the "
+              "prefill itself, Poisson arrivals; the most 1P1D can hold) would attain, at "
+              f"TTFT <= {_slo_ms(args.slos).get('ttft', math.inf):g} ms:", ""]
+    for w in args.workload:
+        ideal = cap["workloads"][w.name]["ideal_fifo_attainment"]
+        lines.append(f"- {w.input_len:,} -> {w.output_len}: " + ", ".join(
+            f"{r} req/s {a:.0%}" for r, a in ideal.items()))
     if "transfer" in doc:
         t = doc["transfer"]
         p2p = t["nccl_p2p_gbps"][f"{args.p2p_mb:g}"]
@@ -412,28 +487,53 @@ def main() -> None:
     configs = configurations(args)
     args.bench = [(w.name, w.bench_flags(args.slos)) for w in args.workload]
     args.bench.append((TTFT, ttft_flags(args)))
-    doc: dict[str, Any] = {"machine": machine(args.kind), "note": args.note,
+    earlier = load_parts(args.merge)
+    raw: dict[str, dict[str, list[dict[str, Any]]]] = dict(earlier["raw"])
+    part: dict[str, Any] = {"machine": earlier.get("machine") or machine(args.kind), "raw": {}}
+    doc: dict[str, Any] = {"machine": part["machine"], "note": args.note,
                            "commands": {n: f"tandem up {args.common} {f}"
                                         for n, f in configs.items()}
                            | {f"bench {w}": f"tandem bench serve {f}" for w, f in args.bench}}
-    raw: dict[str, dict[str, list[dict[str, Any]]]] = {}
+
+    def save_part() -> None:  # what this call measured, so far
+        if args.part:
+            args.part.parent.mkdir(parents=True, exist_ok=True)
+            args.part.write_text(json.dumps(part))
+
     with tempfile.TemporaryDirectory() as tmp:
-        if not args.skip_transfer:
-            doc["transfer"] = transfer_rates(args, Path(tmp))
+        if "transfer" in earlier:
+            doc["transfer"] = earlier["transfer"]
+        elif not args.skip_transfer:
+            doc["transfer"] = part["transfer"] = transfer_rates(args, Path(tmp))
+            save_part()
             print("transfer:", {"nccl_p2p_gbps": doc["transfer"]["nccl_p2p_gbps"]}
                   | {c: round(r["median_gbps"], 1)
                      for c, r in doc["transfer"]["connectors"].items()}, flush=True)
-        engine_ms = engine_prefill(args)
-        print(f"engine prefill, {args.ttft_len} tokens: median "
-              f"{statistics.median(engine_ms):.1f} ms", flush=True)
+        engine_ms = earlier.get("engine_ms")
+        if engine_ms is None:
+            engine_ms = part["engine_ms"] = engine_prefill(args)
+            save_part()
+            print(f"engine prefill, {args.ttft_len} tokens: median "
+                  f"{statistics.median(engine_ms):.1f} ms", flush=True)
         doc["engine_prefill_ms"] = engine_ms
-        for name, flags in configs.items():
-            raw[name] = run_config(args, name, flags, Path(tmp))
+        for name, flags in selected(args, configs).items():
+            if name in raw:
+                continue  # measured by an earlier call
+            raw[name] = part["raw"][name] = run_config(args, name, flags, Path(tmp))
+            save_part()
             doc["runs"] = {n: {w: [summary(r) for r in rs] for w, rs in runs.items()}
                            for n, runs in raw.items()}
             if args.json:  # what a later failure leaves
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(doc | {"partial": True}, indent=1))
+    missing = [n for n in configs if n not in raw]
+    if missing:
+        print(f"not measured yet: {', '.join(missing)}; the tables wait for a call that "
+              "merges every part", flush=True)
+        return
+    raw = {n: raw[n] for n in configs}  # in the tables' order
+    doc["runs"] = {n: {w: [summary(r) for r in rs] for w, rs in runs.items()}
+                   for n, runs in raw.items()}
     doc["max_rate"], doc["ratio_to_colocated"] = goodput(args, raw)
     doc["attainment_goal"] = args.attainment_goal
     doc["ttft"] = ttft_overhead(args, engine_ms, raw)
