@@ -14,6 +14,10 @@ stays cold; greedy, EOS ignored; every timed call after a warmup of its shape):
 Limits, from the copy bandwidth and matmul rate measured first:
   memory-bound decode step = (weight bytes + B * C * kv bytes per token) / copy bandwidth
   compute-bound prefill = (2 * params * S + 2 * layers * heads * head_dim * S^2) / matmul rate
+A mixture-of-experts model reads and multiplies only the experts its tokens are routed to:
+a decode step of batch B reads each expert's weights with probability 1 - (1 - k/E)^B (k
+of E experts per token, routed uniformly: what random weights give), and a prefill
+multiplies each token by k of the E experts, so the limits count those params only.
 """
 
 from __future__ import annotations
@@ -277,17 +281,39 @@ class Limits:
     layers: int
     heads: int
     head_dim: int
+    expert_params: int = 0  # of `params`, in the experts of mixture-of-experts layers
+    experts: int = 0  # per layer (0: a dense model)
+    experts_per_token: int = 0
+
+    def read_bytes(self, batch: int) -> float:
+        """The weight bytes a decode step of `batch` tokens reads: every weight, but of
+        the experts only those some token is routed to (expected, uniform routing)."""
+        if not self.experts:
+            return float(self.weight_bytes)
+        elem = self.weight_bytes / self.params
+        touched = 1 - (1 - self.experts_per_token / self.experts) ** batch
+        return elem * (self.params - self.expert_params + self.expert_params * touched)
+
+    @property
+    def active_params(self) -> float:
+        """The params each token is multiplied by (of the experts, its k of E)."""
+        if not self.experts:
+            return float(self.params)
+        share = self.experts_per_token / self.experts
+        return self.params - self.expert_params + self.expert_params * share
 
     def decode_step_s(self, batch: int, context: float) -> float:
-        """Memory-bound: every weight and every KV byte of the batch read once."""
-        return (self.weight_bytes + batch * context * self.kv_bytes_per_token) / (
+        """Memory-bound: every weight read (`read_bytes`) and every KV byte of the batch
+        read once."""
+        return (self.read_bytes(batch) + batch * context * self.kv_bytes_per_token) / (
             self.copy_bytes_per_s
         )
 
     def prefill_s(self, tokens: int) -> float:
-        """Compute-bound: the matmuls (2 flops per param and token) and causal attention."""
+        """Compute-bound: the matmuls (2 flops per active param and token) and causal
+        attention."""
         attention = 2 * self.layers * self.heads * self.head_dim * tokens**2
-        return (2 * self.params * tokens + attention) / self.matmul_flop_s
+        return (2 * self.active_params * tokens + attention) / self.matmul_flop_s
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -315,6 +341,8 @@ def make_limits(
 ) -> Limits:
     params = list(model.parameters())  # tied weights appear once
     elem = params[0].element_size()
+    # Both systems name their expert weights "...experts..." (the router is the gate).
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts" in f".{n}")
     return Limits(
         copy_bytes_per_s=bandwidth,
         matmul_flop_s=rate,
@@ -324,6 +352,9 @@ def make_limits(
         layers=config.num_layers,
         heads=config.num_heads,
         head_dim=config.head_dim,
+        expert_params=experts,
+        experts=config.num_experts if experts else 0,
+        experts_per_token=config.num_experts_per_tok if experts else 0,
     )
 
 
@@ -714,7 +745,9 @@ def print_report(
     print(
         f"model   : {args.model} (load_format={args.load_format}), {args.dtype}, {args.device}; "
         f"{limits.params:,} params, {limits.weight_bytes / 1e9:.4g} GB, "
-        f"KV {limits.kv_bytes_per_token / 1024:.1f} KiB/token"
+        + (f"{limits.active_params:,.0f} active per token ({limits.experts_per_token} of "
+           f"{limits.experts} experts), " if limits.experts else "")
+        + f"KV {limits.kv_bytes_per_token / 1024:.1f} KiB/token"
     )
     print(
         f"limits  : copy {limits.copy_bytes_per_s / 1e9:,.1f} GB/s (read + written), "

@@ -63,14 +63,14 @@ def test_fused_moe_matches_the_reference_under_the_interpreter() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_moe_matches_the_reference_on_the_gpu(dtype: torch.dtype) -> None:
-    """Qwen3-30B-A3B's expert shape (128 experts of 768, 8 a token) at 1 and 300 tokens."""
+    """Qwen3-30B-A3B's expert shape (128 experts of 768, 8 a token) at 1, 300 and 2,048 tokens."""
     from tandem.kernels.fused_moe import fused_moe, fused_moe_ref
 
     g = torch.Generator(device="cuda").manual_seed(0)
     d, f, e, k = 2048, 768, 128, 8
     gate_up = (torch.randn(e, 2 * f, d, generator=g, device="cuda") / d**0.5).to(dtype)
     down = (torch.randn(e, d, f, generator=g, device="cuda") / f**0.5).to(dtype)
-    for t in (1, 300):
+    for t in (1, 300, 2048):  # a decode step, and prefills (the tensor-core tiles)
         x = torch.randn(t, d, generator=g, device="cuda").to(dtype)
         logits = torch.randn(t, e, generator=g, device="cuda").to(dtype)
         got = fused_moe(x, logits, gate_up, down, k, True).float()
@@ -78,3 +78,33 @@ def test_fused_moe_matches_the_reference_on_the_gpu(dtype: torch.dtype) -> None:
         scale = want.abs().max().item()
         tol = 2e-3 if dtype == torch.float32 else 3e-2  # tf32-free fp32; bf16 roundings
         assert (got - want).abs().max().item() <= tol * scale, (t, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fused_moe_replays_in_a_cuda_graph() -> None:
+    """A decode step's experts in a CUDA graph (as the engine captures them): replayed on
+    new tokens and routing, it equals the reference of those, so nothing of the capture's
+    routing was baked in or read back to the host."""
+    from tandem.kernels.fused_moe import fused_moe, fused_moe_ref
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    t, d, f, e, k = 8, 2048, 768, 128, 8
+    gate_up = (torch.randn(e, 2 * f, d, generator=g, device="cuda") / d**0.5).bfloat16()
+    down = (torch.randn(e, d, f, generator=g, device="cuda") / f**0.5).bfloat16()
+    x = torch.randn(t, d, generator=g, device="cuda").bfloat16()
+    logits = torch.randn(t, e, generator=g, device="cuda").bfloat16()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles the kernels outside the capture
+        fused_moe(x, logits, gate_up, down, k, True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, logits, gate_up, down, k, True)
+    for _ in range(3):
+        x.copy_(torch.randn(t, d, generator=g, device="cuda"))
+        logits.copy_(torch.randn(t, e, generator=g, device="cuda"))
+        graph.replay()
+        want = fused_moe_ref(x, logits, gate_up, down, k, True).float()
+        assert (out.float() - want).abs().max().item() <= 3e-2 * want.abs().max().item()

@@ -9,7 +9,7 @@ from torch import nn
 
 from tandem.engine.config import ModelConfig
 from tandem.engine.models.llama import LlamaForCausalLM
-from tandem.engine.models.moe import SparseMoE, stack_experts
+from tandem.engine.models.moe import SparseMoE, data_dependent, stack_experts
 from tandem.engine.ops import Ops
 
 
@@ -21,7 +21,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     @property
     def data_dependent(self) -> bool:
-        return True
+        return data_dependent(self)
 
     @classmethod
     def weight_names(cls, cfg: ModelConfig) -> list[str]:

@@ -21,10 +21,16 @@ class SparseMoE(nn.Module):
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, expert_size))
         self.top_k, self.renormalize, self.ops = top_k, renormalize, ops
 
+    @property
+    def runs_reference(self) -> bool:
+        """Whether it runs the torch reference (off CUDA, or without Triton), whose work
+        depends on the routing's values: no CUDA graph can hold it."""
+        return triton is None or not self.experts_gate_up.is_cuda
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.ops.linear(x, self.gate)
         # The grouped GEMM on CUDA; the reference elsewhere (it equals transformers').
-        moe = fused_moe if x.is_cuda and triton is not None else fused_moe_ref
+        moe = fused_moe_ref if self.runs_reference else fused_moe
         return moe(x, logits, self.experts_gate_up, self.experts_down, self.top_k,
                    self.renormalize)
 
@@ -40,3 +46,8 @@ def stack_experts(weights: dict[str, torch.Tensor], into: str, num_experts: int,
     weights[into + "experts_gate_up"] = torch.stack(
         [torch.cat([weights.pop(g), weights.pop(u)]) for g, u, _ in names])
     weights[into + "experts_down"] = torch.stack([weights.pop(d) for _, _, d in names])
+
+
+def data_dependent(model: nn.Module) -> bool:
+    """Whether any of `model`'s expert blocks runs the torch reference."""
+    return any(isinstance(m, SparseMoE) and m.runs_reference for m in model.modules())

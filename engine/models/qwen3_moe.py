@@ -10,7 +10,7 @@ from torch import nn
 
 from tandem.engine.config import ModelConfig
 from tandem.engine.models.llama import MLP
-from tandem.engine.models.moe import SparseMoE, stack_experts
+from tandem.engine.models.moe import SparseMoE, data_dependent, stack_experts
 from tandem.engine.models.qwen3 import Qwen3ForCausalLM
 from tandem.engine.ops import Ops
 
@@ -25,7 +25,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     @property
     def data_dependent(self) -> bool:
-        return self.config.num_experts > 0
+        return data_dependent(self)
 
     @classmethod
     def weight_names(cls, cfg: ModelConfig) -> list[str]:
