@@ -15,6 +15,12 @@ ops of fixed sizes), so every BLOCK_M rows of the sorted order belong to one exp
 kernel computes x @ gate_up[e].T for those rows (each row reads its token's x), SwiGLU
 follows, and the same kernel computes act @ down[e].T times the pair's routing weight,
 written at the pair's row; the k rows of a token are summed last.
+
+A decode step of a few tokens routes fewer pairs than there are experts: then sorting is
+all overhead (a dozen small kernels a layer, most of a Qwen3-30B-A3B step), so each pair
+is its own row instead (`pair_gemv`: program (pair, column block) reads its expert's
+rows), and the routing is one kernel (`_route_kernel`: softmax, top k by repeated
+argmax, renormalisation), so the experts cost five kernels a layer.
 """
 
 from __future__ import annotations
@@ -36,17 +42,16 @@ BLOCK_M = 16  # sorted rows per program: each expert's run is padded to a multip
 def tiles(pairs: int, experts: int) -> dict[str, int]:
     """The grouped GEMM's tiles: a decode step routes a few rows to each expert it hits,
     so small row blocks (little padding); a prefill routes many, so tensor-core-sized
-    tiles, the largest once an expert's run fills them. Measured on an H200 with
-    Qwen3-30B-A3B's experts (`benchmarks/moe_tiles.py`): at 1 to 64 tokens every small
-    tile is within 1% of the best; at 2,048 tokens 128 x 256 x 64 was the best (0.81 ms a
-    layer, 64 x 128 x 64 0.89)."""
-    per_expert = pairs / experts
-    if per_expert <= 4:
+    tiles. Measured on an H200 with Qwen3-30B-A3B's experts (`benchmarks/moe_tiles.py`,
+    uniform routing): at 1 to 64 tokens every small tile is within 1% of the best; at
+    2,048 tokens 128 x 256 x 64 took 0.81 ms a layer and these 0.89, but the engine run
+    that had it (with the one-kernel routing) prefilled 2,048 tokens of a dummy model in
+    84 ms against 65 ms before, and in fp32 it needs more shared memory than an H200 has.
+    """
+    if pairs <= 4 * experts:
         return {"BLOCK_M": BLOCK_M, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4,
                 "num_stages": 3}
-    if per_expert < 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
-    return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
@@ -99,6 +104,21 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
     return sorted_pairs, torch.where(block_expert < num_experts, block_expert, -1)
 
 
+def route_fused(router_logits: torch.Tensor, top_k: int, renormalize: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` in one kernel (a program per token): the same weights and experts, but the
+    k experts in order of weight with ties to the lower id, where topk's order of ties is
+    its own."""
+    t, e = router_logits.shape
+    weights = torch.empty((t, top_k), dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.long, device=router_logits.device)
+    if t:
+        _route_kernel[(t,)](router_logits, weights, ids, router_logits.stride(0), e,
+                            K=top_k, K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+                            BLOCK_E=triton.next_power_of_2(e))
+    return weights, ids
+
+
 def fused_moe(x: torch.Tensor,  # [T, D], unit last stride
               router_logits: torch.Tensor,  # [T, E]
               gate_up: torch.Tensor,  # [E, 2F, D] contiguous
@@ -107,7 +127,14 @@ def fused_moe(x: torch.Tensor,  # [T, D], unit last stride
     assert triton is not None, "Triton is not installed"
     t, d = x.shape
     e, two_f, _ = gate_up.shape
-    weights, ids = route(router_logits, top_k, renormalize)
+    weights, ids = route_fused(router_logits, top_k, renormalize)
+    if t * top_k <= e // 2:  # a few tokens: a row per pair, no sorting
+        h = torch.empty((t * top_k, two_f), dtype=x.dtype, device=x.device)
+        _pair_gemv(x, gate_up, h, None, ids, top_k)
+        act = silu_mul(h)
+        y = torch.empty((t * top_k, d), dtype=x.dtype, device=x.device)
+        _pair_gemv(act, down, y, weights, ids, 1)
+        return y.view(t, top_k, d).float().sum(1).to(x.dtype)
     tile = tiles(t * top_k, e)
     sorted_pairs, block_expert = align(ids, e, tile["BLOCK_M"])
     h = torch.empty((t * top_k, two_f), dtype=x.dtype, device=x.device)
@@ -135,7 +162,63 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"])
 
 
+def _pair_gemv(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+               weights: torch.Tensor | None, ids: torch.Tensor, rows_per_a: int) -> None:
+    """c[p] = a[p // rows_per_a] @ b[ids.flat[p]].T (times weights.flat[p]), a program
+    per pair and block of columns."""
+    n, k = b.shape[1], b.shape[2]
+    block_n = min(32, triton.next_power_of_2(n))
+    block_k = min(256, max(16, triton.next_power_of_2(k)))
+    grid = (ids.numel(), triton.cdiv(n, block_n))
+    _pair_gemv_kernel[grid](
+        a, b, c, weights if weights is not None else c, ids, n, k, a.stride(0), b.stride(0),
+        b.stride(1), c.stride(0), ROWS_PER_A=rows_per_a, WEIGHTED=weights is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+
+
 if triton is not None:
+
+    @triton.jit
+    def _route_kernel(logits, weights, ids, row, e, K: tl.constexpr, K_POW2: tl.constexpr,
+                      RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_E)
+        x = tl.load(logits + t * row + cols, mask=cols < e, other=-float("inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, 0))
+        p = tl.where(cols < e, p / tl.sum(p, 0), -1.0)
+        slots = tl.arange(0, K_POW2)
+        picked_w = tl.zeros((K_POW2,), dtype=tl.float32)
+        picked = tl.zeros((K_POW2,), dtype=tl.int64)
+        for j in tl.static_range(K):  # the largest left, ties to the lower id
+            best = tl.max(p, 0)
+            pick = tl.min(tl.where(p == best, cols, BLOCK_E), 0)
+            picked_w = tl.where(slots == j, best, picked_w)
+            picked = tl.where(slots == j, pick.to(tl.int64), picked)
+            p = tl.where(cols == pick, -1.0, p)
+        if RENORMALIZE:
+            picked_w = picked_w / tl.sum(picked_w, 0)  # the unused slots hold 0
+        tl.store(weights + t * K + slots, picked_w.to(weights.dtype.element_ty),
+                 mask=slots < K)
+        tl.store(ids + t * K + slots, picked, mask=slots < K)
+
+    @triton.jit
+    def _pair_gemv_kernel(a, b, c, weights, ids, n, k, a_row, b_expert, b_row, c_row,
+                          ROWS_PER_A: tl.constexpr, WEIGHTED: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pair = tl.program_id(0).to(tl.int64)
+        expert = tl.load(ids + pair).to(tl.int64)
+        a_ptr = a + (pair // ROWS_PER_A) * a_row
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(a_ptr + ks, mask=ks < k, other=0.0).to(tl.float32)
+            w = tl.load(b + expert * b_expert + cols[:, None] * b_row + ks[None, :],
+                        mask=(cols[:, None] < n) & (ks[None, :] < k), other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+        if WEIGHTED:
+            acc = acc * tl.load(weights + pair).to(tl.float32)
+        tl.store(c + pair * c_row + cols, acc.to(c.dtype.element_ty), mask=cols < n)
 
     @triton.jit
     def _grouped_gemm_kernel(a, b, c, weights, sorted_pairs, block_expert, num_pairs, n, k,

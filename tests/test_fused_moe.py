@@ -36,13 +36,20 @@ def test_align_puts_each_pair_once_in_its_experts_blocks(tokens: int, top_k: int
 
 
 def compare() -> None:
-    """Run under TRITON_INTERPRET=1: fused_moe against fused_moe_ref, fp32, on shapes that
-    leave experts unchosen and blocks part-full."""
-    from tandem.kernels.fused_moe import fused_moe, fused_moe_ref
+    """Run under TRITON_INTERPRET=1: the one-kernel routing against `route`, and fused_moe
+    against fused_moe_ref, fp32, on shapes that leave experts unchosen and blocks
+    part-full, a row per pair (fewer pairs than half the experts) and sorted."""
+    from tandem.kernels.fused_moe import fused_moe, fused_moe_ref, route, route_fused
 
     g = torch.Generator().manual_seed(0)
-    for t, d, f, e, k, renorm in ((1, 32, 48, 8, 2, True), (37, 40, 24, 6, 2, False),
-                                  (20, 64, 32, 16, 4, True)):
+    for t, e, k, renorm in ((5, 8, 2, True), (3, 128, 8, True), (4, 6, 3, False)):
+        logits = torch.randn(t, e, generator=g)
+        want_w, want_ids = route(logits, k, renorm)
+        got_w, got_ids = route_fused(logits, k, renorm)
+        assert torch.equal(got_ids, want_ids), (got_ids, want_ids)  # no ties: same order
+        assert torch.allclose(got_w, want_w, rtol=1e-6, atol=1e-7), (got_w, want_w)
+    for t, d, f, e, k, renorm in ((1, 32, 48, 8, 2, True), (2, 32, 24, 16, 3, False),
+                                  (37, 40, 24, 6, 2, False), (20, 64, 32, 16, 4, True)):
         x = torch.randn(t, d, generator=g)
         logits = torch.randn(t, e, generator=g)
         gate_up = torch.randn(e, 2 * f, d, generator=g) / d**0.5
