@@ -24,6 +24,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV block (default: %(default)s)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache size in blocks (default: sized from memory)")
+    g.add_argument("--kv-host-gib", type=float, default=0.0, metavar="GIB",
+                   help="host memory (GiB) for KV blocks evicted from the device cache: a "
+                        "prompt that meets them again copies them back instead of computing "
+                        "them (pinned on CUDA; 0: no host tier) (default: %(default)s)")
     g.add_argument("--gpu-memory-fraction", type=float, default=0.85,
                    help="on CUDA, the share of the GPU's memory the engine may hold: weights, "
                         "KV cache and activations; the KV cache takes what the weights leave "

@@ -1,6 +1,8 @@
 """The benchmark's requests: `random` (token-id prompts of a given length), `sharegpt` (the
-first human turn of ShareGPT conversations) and `prefix-repetition` (N shared prefixes,
-each followed by distinct suffixes, to exercise prefix reuse across nodes)."""
+first human turn of ShareGPT conversations), `prefix-repetition` (N shared prefixes,
+each followed by distinct suffixes, to exercise prefix reuse across nodes) and
+`multi-turn` (users chatting: each turn's prompt is the user's whole history and a new
+question)."""
 
 from __future__ import annotations
 
@@ -57,6 +59,30 @@ def prefix_repetition_requests(num: int, prefix_len: int, suffix_len: int, num_p
         prompt = prefixes[i % num_prefixes] + _ids(suffix_len, vocab_size, rng)
         out.append(SampleRequest(prompt, len(prompt), output_len))
     rng.shuffle(out)
+    return out
+
+
+def multi_turn_requests(users: int, turns: int, question_len: int, output_len: int,
+                        vocab_size: int, seed: int) -> list[SampleRequest]:
+    """`users` conversations of `turns` turns, token ids: turn t's prompt is the user's
+    turn t-1 prompt, a reply of `output_len` tokens and a new question of `question_len`.
+    The requests go round by round (every user's turn 1, in a shuffled order, then every
+    user's turn 2, ...), so a user's next turn comes a round later, as people chat. The
+    reply in the history is drawn here, not the server's answer, so the requests are
+    known before the run: the prompt's prefix up to the reply is one the server computed
+    before, the reply and the question are new to it."""
+    if users < 1 or turns < 1:
+        raise ValueError("--multi-turn-users and --multi-turn-turns must be at least 1")
+    rng = random.Random(seed)
+    histories: list[list[int]] = [[] for _ in range(users)]
+    out = []
+    for _ in range(turns):
+        order = list(range(users))
+        rng.shuffle(order)
+        for user in order:
+            prompt = histories[user] + _ids(question_len, vocab_size, rng)
+            out.append(SampleRequest(prompt, len(prompt), output_len))
+            histories[user] = prompt + _ids(output_len, vocab_size, rng)
     return out
 
 

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from tandem.bench.datasets import (
     SampleRequest,
+    multi_turn_requests,
     prefix_repetition_requests,
     random_requests,
     sharegpt_requests,
@@ -205,6 +206,11 @@ def make_requests(args: argparse.Namespace, model: str) -> tuple[list[SampleRequ
             args.num_prompts, args.prefix_repetition_prefix_len,
             args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
             args.prefix_repetition_output_len, _vocab_size(args, model), args.seed)
+        return reqs, True
+    if name == "multi-turn":
+        reqs = multi_turn_requests(args.multi_turn_users, args.multi_turn_turns,
+                                   args.multi_turn_question_len, args.multi_turn_output_len,
+                                   _vocab_size(args, model), args.seed)
         return reqs, True
     if args.dataset_path is None:
         raise ValueError("--dataset-name sharegpt needs --dataset-path")

@@ -25,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--label", default=None, help="names the run in its JSON and file name")
     g = p.add_argument_group("workload")
     g.add_argument("--dataset-name", default="random",
-                   choices=["random", "sharegpt", "prefix-repetition", "prefix_repetition"],
+                   choices=["random", "sharegpt", "prefix-repetition", "prefix_repetition",
+                            "multi-turn", "multi_turn"],
                    help="(default: %(default)s)")
     g.add_argument("--dataset-path", type=Path, default=None, help="ShareGPT JSON file")
     g.add_argument("--num-prompts", type=int, default=1000, help="(default: %(default)s)")
@@ -43,6 +44,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="(default: %(default)s)")
     g.add_argument("--prefix-repetition-output-len", type=int, default=128,
                    help="(default: %(default)s)")
+    g.add_argument("--multi-turn-users", type=int, default=16,
+                   help="multi-turn: conversations, interleaved round by round; they make "
+                        "users x turns requests (--num-prompts is not used) "
+                        "(default: %(default)s)")
+    g.add_argument("--multi-turn-turns", type=int, default=8, help="(default: %(default)s)")
+    g.add_argument("--multi-turn-question-len", type=int, default=256,
+                   help="multi-turn: new tokens each turn adds to the history "
+                        "(default: %(default)s)")
+    g.add_argument("--multi-turn-output-len", type=int, default=128,
+                   help="multi-turn: each turn's reply, in tokens (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="sent with each request (default: %(default)s, greedy)")
     g.add_argument("--ignore-eos", action="store_true",

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import secrets
 import shlex
 import signal
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +114,36 @@ def stop(up: subprocess.Popen) -> None:
         up.wait()
 
 
+def prefix_counts(url: str) -> dict[str, float]:
+    """The router's prefix-cache counters, summed over each role's nodes: prompt tokens
+    looked up (of requests that ended) and found, by tier: `prefill.queries`,
+    `decode.hits_host`, ..."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if m := re.match(r"tandem:prefix_cache_(queries|hits)_total\{([^}]*)\} (\S+)$", line):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m[2]))
+            role = labels.get("node", "").split("@")[0]
+            key = f"{role}.queries" if m[1] == "queries" else (
+                f"{role}.hits_{labels.get('tier', 'device')}")
+            out[key] = out.get(key, 0.0) + float(m[3])
+    return out
+
+
+def prefix_delta(before: dict[str, float], url: str) -> dict[str, float]:
+    """What a workload added to `prefix_counts`, once the router's stats poll (every
+    second) has seen its last requests; with each role's hit rate over the tokens it
+    looked up."""
+    time.sleep(2.5)
+    after = prefix_counts(url)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    for role in {k.split(".")[0] for k in delta}:
+        hits = sum(v for k, v in delta.items() if k.startswith(f"{role}.hits_"))
+        queries = delta.get(f"{role}.queries", 0.0)
+        delta[f"{role}.hit_rate"] = hits / queries if queries else 0.0
+    return delta
+
+
 def run_config(args: argparse.Namespace, name: str, flags: str, tmp: Path
                ) -> dict[str, list[dict[str, Any]]]:
     """`tandem up` with `args.common` and `flags`, `args.warmup`, then each workload of
@@ -134,9 +166,15 @@ def run_config(args: argparse.Namespace, name: str, flags: str, tmp: Path
         runs = {}
         for workload, bench_flags in args.bench:
             probing = HealthProbe(url, secret) if args.probe_health else None
+            before = prefix_counts(url)
             with probing or contextlib.nullcontext() as probe:
                 results = bench(url, bench_flags, tmp, "run", args.bench_timeout)
             runs[workload] = results
+            cache = prefix_delta(before, url)
+            for r in results:
+                r["prefix_cache"] = cache
+            print(f"{name} / {workload}: prefix cache " + ", ".join(
+                f"{k} {v:,.4g}" for k, v in sorted(cache.items())), flush=True)
             if probe is not None:
                 health = probe.summary()
                 for r in results:

@@ -4,7 +4,8 @@ Invariants:
 - a block is in the free queue iff its ref_cnt is 0;
 - a free block keeps its hash (and so stays a cache hit) until it is reallocated;
 - the free queue pops least-recently-freed first, so cached blocks are evicted LRU.
-Events go to the `on_event` hook; the pool itself knows nothing of who listens.
+Events go to the `on_event` hook; the pool itself knows nothing of who listens. A cached
+block about to be reused goes to the `on_reuse` hook first (the host tier copies it out).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from tandem.engine.block_hash import BlockHash
+from tandem.engine.host_tier import Evicted
 
 
 @dataclass(eq=False)
@@ -33,6 +35,7 @@ class BlockEvent:
 
 
 EventHook = Callable[[BlockEvent], None]
+ReuseHook = Callable[[list[Evicted]], None]
 
 
 class BlockPool:
@@ -42,6 +45,8 @@ class BlockPool:
         self._cached: dict[BlockHash, Block] = {}
         # Where stored/evicted events go; a node sets it once it knows who listens.
         self.on_event = on_event
+        # Cached blocks about to be given new contents, before they are (the host tier).
+        self.on_reuse: ReuseHook | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -64,6 +69,11 @@ class BlockPool:
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
         blocks = [self._free.popitem(last=False)[1] for _ in range(n)]
+        if self.on_reuse is not None:
+            reused = [Evicted(b.block_id, b.block_hash, b.token_ids) for b in blocks
+                      if b.block_hash is not None]
+            if reused:
+                self.on_reuse(reused)
         evicted = [h for b in blocks if (h := self._uncache(b)) is not None]
         for b in blocks:
             b.ref_cnt = 1

@@ -24,6 +24,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             num_blocks=args.num_kv_blocks,
             kv_cache_memory_fraction=args.gpu_memory_fraction,
             enable_prefix_caching=not args.no_prefix_caching,
+            host_kv_bytes=int(args.kv_host_gib * (1 << 30)),
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

@@ -309,8 +309,12 @@ class CacheConfig:
     kv_cache_bytes: int = 1 << 30
     kv_cache_memory_fraction: float = 0.85
     enable_prefix_caching: bool = True
+    # Host memory for blocks evicted from the device cache (engine/host_tier.py); 0: none.
+    host_kv_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if self.host_kv_bytes < 0:
+            raise ValueError(f"the host tier's size must be >= 0, got {self.host_kv_bytes}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

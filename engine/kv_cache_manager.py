@@ -1,9 +1,15 @@
-"""Maps requests onto pool blocks: prefix-cache lookup, slot allocation, caching, free."""
+"""Maps requests onto pool blocks: prefix-cache lookup, slot allocation, caching, free.
+
+With a host tier (`host`), the lookup goes on past the device cache's hits into the
+tier: `find_cached_blocks(req, promote=True)` copies the blocks it finds there back into
+free device blocks and caches them, so they are hits like any other (never computed
+again), and the request's `num_host_cached_tokens` says how many came from the host."""
 
 from __future__ import annotations
 
 from tandem.engine.block_hash import BlockHash, extend_hashes
 from tandem.engine.block_pool import Block, BlockPool
+from tandem.engine.host_tier import HostTier
 from tandem.engine.request import Request
 
 
@@ -21,10 +27,18 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         # request id -> how many of its leading blocks are registered in the cache.
         self._num_cached_blocks: dict[str, int] = {}
+        self.host: HostTier | None = None  # set with the pool's on_reuse hook
+        self._promoted: dict[str, int] = {}  # request id -> blocks it brought back
 
-    def find_cached_blocks(self, req: Request) -> list[Block]:
+    def attach_host_tier(self, host: HostTier) -> None:
+        self.host = host
+        self.pool.on_reuse = host.save
+
+    def find_cached_blocks(self, req: Request, promote: bool = False) -> list[Block]:
         """Longest cached prefix of the request's tokens, in whole blocks. At least one
-        token is always left to compute, since sampling needs the last token's logits."""
+        token is always left to compute, since sampling needs the last token's logits.
+        With `promote`, blocks past the device's hits that the host tier holds are
+        copied into free device blocks first, while any are free."""
         if not self.enable_prefix_caching:
             return []
         tokens = req.all_token_ids
@@ -37,7 +51,53 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if promote and self.host is not None and len(hits) < max_blocks:
+            hits += self._promote(req, hits, max_blocks)
         return hits
+
+    def cached_tokens(self, req: Request) -> int:
+        """Prompt tokens the device cache and then the host tier hold (nothing moves)."""
+        hits = len(self.find_cached_blocks(req))
+        if self.host is not None and self.enable_prefix_caching:
+            tokens, bs = req.all_token_ids, self.block_size
+            for i in range(hits, (len(tokens) - 1) // bs):
+                if self.host.lookup(req.block_hashes[i], tokens[i * bs:(i + 1) * bs]) is None:
+                    break
+                hits += 1
+        return hits * self.block_size
+
+    def _promote(self, req: Request, hits: list[Block], stop: int) -> list[Block]:
+        """Blocks len(hits).. of `req` from the host tier into free device blocks, cached
+        (and free, like any cached block no request holds). `hits` are held meanwhile so
+        the allocation cannot reuse them; the slots are looked up again after it, since
+        the copies out it makes may take the tier's oldest."""
+        tokens, bs, host = req.all_token_ids, self.block_size, self.host
+        start = len(hits)
+
+        def slots() -> list[int]:
+            found = []
+            for i in range(start, min(stop, start + self.pool.num_free_blocks)):
+                slot = host.lookup(req.block_hashes[i], tokens[i * bs:(i + 1) * bs])
+                if slot is None:
+                    break
+                found.append(slot)
+            return found
+
+        want = len(slots())
+        if not want:
+            return []
+        self.pool.acquire(hits)
+        blocks = self.pool.allocate(want)
+        found = slots()[:want]
+        host.load(found, [b.block_id for b in blocks[:len(found)]])
+        for i, block in enumerate(blocks[:len(found)]):
+            self.pool.cache(block, req.block_hashes[start + i],
+                            tokens[(start + i) * bs:(start + i + 1) * bs])
+        self.pool.free(reversed(blocks))  # the ones not loaded go back uncached
+        self.pool.free(reversed(hits))
+        if found:
+            self._promoted[req.request_id] = self._promoted.get(req.request_id, 0) + len(found)
+        return blocks[:len(found)]
 
     def allocate(self, req: Request, num_new_tokens: int, hits: list[Block] = (),
                  keep_free: int = 0) -> bool:
@@ -58,6 +118,9 @@ class KVCacheManager:
             req.num_computed_tokens += len(hits) * self.block_size
             if req.num_preemptions == 0:
                 req.num_cached_tokens = len(hits) * self.block_size
+                promoted = min(self._promoted.get(req.request_id, 0), len(hits))
+                req.num_host_cached_tokens = promoted * self.block_size
+            self._promoted.pop(req.request_id, None)
             self._num_cached_blocks[req.request_id] = len(hits)
         if need > 0:
             req.block_ids.extend(b.block_id for b in self.pool.allocate(need))
@@ -85,6 +148,7 @@ class KVCacheManager:
         req.block_ids.clear()
         req.num_computed_tokens = 0
         self._num_cached_blocks.pop(req.request_id, None)
+        self._promoted.pop(req.request_id, None)
 
     def _update_hashes(self, req: Request, tokens: list[int]) -> None:
         extend_hashes(req.block_hashes, tokens, self.block_size, self.root, req.cache_salt)

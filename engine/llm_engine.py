@@ -24,6 +24,7 @@ from tandem.engine.block_hash import root_hash
 from tandem.engine.block_pool import BlockPool, EventHook
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import DecodeGraphs
+from tandem.engine.host_tier import HostTier, block_bytes
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.loader import load_model_config, load_tokenizer, load_weights, resolve_model
 from tandem.engine.model_runner import ModelRunner, SampledTokens, num_kv_blocks
@@ -113,6 +114,12 @@ class LLMEngine:
             model, attention, Sampler(self.eos_token_ids), num_blocks, cache.block_size,
             sched.max_num_seqs, sched.max_num_batched_tokens, max_len,
         )
+        self.host_tier: HostTier | None = None
+        if cache.host_kv_bytes and cache.enable_prefix_caching:
+            per_block = block_bytes(self.runner.kv_caches)
+            self.host_tier = HostTier(max(1, cache.host_kv_bytes // per_block),
+                                      self.runner.kv_caches)
+            kv.attach_host_tier(self.host_tier)
         # Decode-only steps replay CUDA graphs; they need a backend whose per-layer work
         # reads only tensors (triton), a model whose work does not depend on the values
         # (the experts' reference does), and cost memory and start-up time.
@@ -138,6 +145,7 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.num_prompt_tokens_queried = 0  # prompt tokens of ended requests
         self.num_prompt_tokens_cached = 0
+        self.num_prompt_tokens_cached_host = 0  # of those, copied back from the host tier
         self.num_generation_tokens = 0
         # Decode role: requests holding their prompt's blocks, waiting for its KV.
         self._reserved: dict[str, Request] = {}
@@ -204,7 +212,7 @@ class LLMEngine:
         place; `req.block_ids` past them await theirs). Raises KVCacheFull when the
         blocks are not free, or would leave fewer than `keep_free`."""
         kv = self.scheduler.kv
-        hits = kv.find_cached_blocks(req)
+        hits = kv.find_cached_blocks(req, promote=True)
         cached = len(hits) * kv.block_size
         if not kv.allocate(req, req.num_prompt_tokens - cached, hits, keep_free):
             raise KVCacheFull(
@@ -218,8 +226,7 @@ class LLMEngine:
     def cached_prompt_tokens(self, req: Request) -> int:
         """How many of `req`'s prompt tokens the prefix cache holds now (nothing is
         allocated: `reserve` or `add` may find fewer if blocks are evicted meanwhile)."""
-        kv = self.scheduler.kv
-        return len(kv.find_cached_blocks(req)) * kv.block_size
+        return self.scheduler.kv.cached_tokens(req)
 
     def start_decode(self, request_id: str, first_token: int) -> RequestOutput:
         """The reserved request's prompt KV is in place, and `first_token` was sampled
@@ -413,6 +420,7 @@ class LLMEngine:
         if req.output_token_ids and req.output_token_ids[-1] == PENDING_TOKEN:
             req.output_token_ids.pop()  # aborted with a step in flight: never read
         self.num_prompt_tokens_cached += req.num_cached_tokens
+        self.num_prompt_tokens_cached_host += req.num_host_cached_tokens
         self.num_prompt_tokens_queried += req.num_prompt_tokens
         self.scheduler.finish(req, status)
         self.runner.release(req.request_id)

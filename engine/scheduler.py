@@ -102,7 +102,7 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hits = self.kv.find_cached_blocks(req)
+            hits = self.kv.find_cached_blocks(req, promote=True)
             cached = len(hits) * self.kv.block_size
             num_new = min(req.num_uncomputed_tokens - cached, budget)
             if not self.kv.allocate(req, num_new, hits):

@@ -307,6 +307,9 @@ class NodeService(pb_grpc.NodeServicer):
             prefix_cache_queries=e.num_prompt_tokens_queried,
             num_preemptions=s.num_preemptions,
             kv_transfer_seconds=self.prefill.kv_transfer_seconds,
+            prompt_tokens_cached_host=e.num_prompt_tokens_cached_host,
+            kv_host_blocks_total=e.host_tier.num_blocks if e.host_tier else 0,
+            kv_host_blocks_used=e.host_tier.num_used if e.host_tier else 0,
         )
 
     @_rpc

@@ -240,6 +240,8 @@ def _engine_flags(args: argparse.Namespace, device: str, memory_fraction: float)
         flags.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     if args.num_kv_blocks is not None:
         flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.kv_host_gib:
+        flags += ["--kv-host-gib", str(args.kv_host_gib)]
     if args.no_prefix_caching:
         flags.append("--no-prefix-caching")
     return flags

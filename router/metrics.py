@@ -96,8 +96,8 @@ class _NodeCollector(Collector):
         def gauge(name: str, doc: str) -> GaugeMetricFamily:
             return GaugeMetricFamily(f"tandem:{name}", doc, labels=["node"])
 
-        def counter(name: str, doc: str) -> CounterMetricFamily:
-            return CounterMetricFamily(f"tandem:{name}", doc, labels=["node"])
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
+            return CounterMetricFamily(f"tandem:{name}", doc, labels=["node", *labels])
 
         families = {
             "num_requests_running": gauge("num_requests_running", "Requests in the batch."),
@@ -115,7 +115,11 @@ class _NodeCollector(Collector):
                                             "Prompt tokens looked up in the node's prefix "
                                             "cache (of requests that ended)."),
             "prefix_cache_hits": counter("prefix_cache_hits",
-                                         "Prompt tokens found in the node's prefix cache."),
+                                         "Prompt tokens found in the node's prefix cache, by "
+                                         "tier: device, or host (copied back from the node's "
+                                         "host tier).", labels=("tier",)),
+            "kv_host_usage": gauge("kv_host_usage",
+                                   "The node's host KV tier in use, 0 to 1 (nodes with one)."),
             "num_preemptions": counter("num_preemptions",
                                        "Requests the node preempted (recompute)."),
             "kv_transfer_seconds": counter("kv_transfer_seconds",
@@ -148,7 +152,13 @@ class _NodeCollector(Collector):
             families["kv_blocks_used"].add_metric(label, used)
             families["node_prompt_tokens_computed"].add_metric(label, s.prompt_tokens_computed)
             families["prefix_cache_queries"].add_metric(label, s.prefix_cache_queries)
-            families["prefix_cache_hits"].add_metric(label, s.prompt_tokens_cached)
+            host = s.prompt_tokens_cached_host
+            families["prefix_cache_hits"].add_metric([*label, "device"],
+                                                     s.prompt_tokens_cached - host)
+            families["prefix_cache_hits"].add_metric([*label, "host"], host)
+            if s.kv_host_blocks_total:
+                families["kv_host_usage"].add_metric(
+                    label, s.kv_host_blocks_used / s.kv_host_blocks_total)
             families["num_preemptions"].add_metric(label, s.num_preemptions)
             families["kv_transfer_seconds"].add_metric(label, s.kv_transfer_seconds)
             families["node_generation_tokens"].add_metric(label, s.generation_tokens)

@@ -9,7 +9,11 @@ import math
 import numpy as np
 import pytest
 
-from tandem.bench.datasets import prefix_repetition_requests, random_requests
+from tandem.bench.datasets import (
+    multi_turn_requests,
+    prefix_repetition_requests,
+    random_requests,
+)
 from tandem.bench.metrics import RequestRecord, compute_metrics, parse_goodput
 from tandem.bench.serve import _arrival_times
 
@@ -103,3 +107,22 @@ def test_random_and_prefix_repetition_datasets() -> None:
     prefixes = {tuple(r.prompt[:32]) for r in reqs}
     assert len(prefixes) == 3 and len({tuple(r.prompt) for r in reqs}) == 12
     assert all(r.prompt_len == 40 and r.expected_output_len == 16 for r in reqs)
+
+
+def test_multi_turn_prompts_carry_each_users_history_round_by_round() -> None:
+    users, turns, question, reply = 4, 3, 10, 6
+    reqs = multi_turn_requests(users, turns, question, reply, vocab_size=1000, seed=0)
+    assert len(reqs) == users * turns
+    rounds = [reqs[i * users:(i + 1) * users] for i in range(turns)]
+    for t, round_ in enumerate(rounds):  # turn t: t earlier questions and replies
+        assert all(r.prompt_len == len(r.prompt) == (t + 1) * question + t * reply
+                   and r.expected_output_len == reply for r in round_)
+    for earlier, later in zip(rounds, rounds[1:]):
+        # Each prompt of a round extends exactly one of the round before, by a reply and
+        # a question: one conversation per user, none shared.
+        starts = [[i for i, e in enumerate(earlier)
+                   if r.prompt[:e.prompt_len] == e.prompt] for r in later]
+        assert sorted(s for (s,) in starts) == list(range(users))
+    assert len({tuple(r.prompt[:question]) for r in rounds[0]}) == users
+    with pytest.raises(ValueError, match="at least 1"):
+        multi_turn_requests(0, 2, 4, 4, 1000, 0)

@@ -48,12 +48,13 @@ def routers() -> Iterator[dict[str, str]]:
 
 
 def _prefill_metrics(url: str) -> dict[str, dict[str, float]]:
-    """prefill node address -> {metric: value}."""
+    """prefill node address -> {metric: value}, summed over tiers (prefix cache hits)."""
     out: dict[str, dict[str, float]] = {}
     for name, labels, value in metric_samples(url):
         if labels.get("node", "").startswith("prefill@"):
-            out.setdefault(labels["node"].removeprefix("prefill@"), {})[
-                name.removeprefix("tandem:")] = value
+            node = out.setdefault(labels["node"].removeprefix("prefill@"), {})
+            key = name.removeprefix("tandem:")
+            node[key] = node.get(key, 0.0) + value
     return out
 
 

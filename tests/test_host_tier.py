@@ -1,0 +1,114 @@
+"""The host tier (engine/host_tier.py): blocks evicted from a small device cache are kept
+in host memory and copied back when a prompt meets them again, never computed twice;
+outputs stay those of an engine that caches nothing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.engine.block_hash import BlockHash
+from tandem.engine.host_tier import Evicted, HostTier
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 500) for _ in range(length)] for _ in range(n)]
+
+
+def test_prompts_that_overflow_the_device_cache_come_back_from_the_host() -> None:
+    prompts = _prompts(6, 50)  # 3 full blocks each; 10 device blocks hold two requests
+    want = [o.token_ids for o in LLM("tiny", load_format="dummy", num_kv_blocks=64,
+                                     enable_prefix_caching=False).generate(prompts, GREEDY)]
+    llm = LLM("tiny", load_format="dummy", num_kv_blocks=10, host_kv_bytes=1 << 20,
+              max_num_seqs=2)
+    engine, tier = llm.engine, llm.engine.host_tier
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert engine.num_prompt_tokens_cached_host == 0 and tier.blocks_saved > 0
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    # Every full prompt block came back from the host: none computed again, none from
+    # the device (each was evicted by the later prompts before its turn came).
+    assert engine.num_prompt_tokens_cached_host == engine.num_prompt_tokens_cached == 6 * 48
+    assert tier.blocks_loaded == 6 * 3
+    # 18 distinct full blocks, each copied out once: one loaded back and evicted again
+    # is in the tier already.
+    assert tier.blocks_saved == 6 * 3
+
+
+def test_without_a_host_tier_the_same_prompts_are_computed_again() -> None:
+    prompts = _prompts(6, 50)
+    llm = LLM("tiny", load_format="dummy", num_kv_blocks=10, max_num_seqs=2)
+    llm.generate(prompts, GREEDY)
+    llm.generate(prompts, GREEDY)
+    assert llm.engine.host_tier is None and llm.engine.num_prompt_tokens_cached == 0
+
+
+def _caches(num_blocks: int = 4) -> list[torch.Tensor]:
+    return [torch.randn(2, num_blocks, 2, 1, 3) for _ in range(3)]  # 3 layers, block of 2
+
+
+def test_the_tier_evicts_its_least_recently_used_block_and_rechecks_tokens() -> None:
+    caches = _caches()
+    tier = HostTier(2, caches)
+    a, b, c = (BlockHash(i.to_bytes(16, "little")) for i in (1, 2, 3))
+    tier.save([Evicted(0, a, (1, 2)), Evicted(1, b, (3, 4))])
+    assert tier.lookup(a, (1, 2)) is not None  # a is now the most recently used
+    assert tier.lookup(a, (1, 9)) is None  # same hash, other tokens: a miss
+    tier.save([Evicted(2, c, (5, 6))])  # full: b, the least recently used, goes
+    assert tier.lookup(b, (3, 4)) is None and tier.usage == 1.0
+    slot = tier.lookup(c, (5, 6))
+    before = [x[:, 3].clone() for x in caches]
+    tier.load([slot], [3])  # block 2's KV, as saved, into block 3
+    for layer, old in zip(caches, before):
+        assert torch.equal(layer[:, 3], layer[:, 2]) and not torch.equal(layer[:, 3], old)
+    assert tier.blocks_saved == 3 and tier.blocks_loaded == 1
+
+
+def test_a_host_tier_needs_a_block() -> None:
+    with pytest.raises(ValueError, match="at least one block"):
+        HostTier(0, _caches())
+
+
+def test_tandem_up_serves_prompts_again_from_the_host_tier() -> None:
+    """Real processes, `tandem up` (1P1D) with device caches too small for the prompts:
+    sent again, they come back from a host tier, counted under tier="host", and the
+    tokens are still the offline engine's."""
+    import json
+    import time
+    import urllib.request
+
+    from serving_helpers import metric_samples, tandem_up
+
+    prompts = _prompts(6, 50, seed=1)
+    offline = LLM("tiny", load_format="dummy")
+    want = [o.token_ids for o in offline.generate(prompts, GREEDY)]
+    flags = ["--model", "tiny", "--load-format", "dummy", "--skip-tokenizer-init",
+             "--num-kv-blocks", "10", "--max-num-seqs", "2", "--kv-host-gib", "0.001"]
+    with tandem_up(flags) as (url, _, _):
+        def complete(prompt: list[int]) -> list[int]:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                    "ignore_eos": True}
+            req = urllib.request.Request(f"{url}/v1/completions",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return json.loads(r.read())["choices"][0]["token_ids"]
+
+        for _ in range(2):  # the second round finds every prompt evicted to the host
+            assert [complete(p) for p in prompts] == want
+        deadline = time.monotonic() + 15  # the router polls each node's stats every second
+        while True:
+            samples = metric_samples(url)
+            host = sum(v for name, labels, v in samples
+                       if name == "tandem:prefix_cache_hits_total" and labels["tier"] == "host")
+            usage = [v for name, _, v in samples if name == "tandem:kv_host_usage"]
+            if host > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    assert host >= 6 * 48  # every full prompt block of the second round, on some node
+    assert usage and max(usage) > 0
