@@ -74,27 +74,29 @@ class KVCacheManager:
         tokens, bs, host = req.all_token_ids, self.block_size, self.host
         start = len(hits)
 
-        def slots() -> list[int]:
+        def slots(most: int) -> list[int]:  # the host's, for up to `most` blocks
             found = []
-            for i in range(start, min(stop, start + self.pool.num_free_blocks)):
+            for i in range(start, min(stop, start + most)):
                 slot = host.lookup(req.block_hashes[i], tokens[i * bs:(i + 1) * bs])
                 if slot is None:
                     break
                 found.append(slot)
             return found
 
-        want = len(slots())
-        if not want:
+        if not slots(self.pool.num_free_blocks):
             return []
-        self.pool.acquire(hits)
-        blocks = self.pool.allocate(want)
-        found = slots()[:want]
-        host.load(found, [b.block_id for b in blocks[:len(found)]])
-        for i, block in enumerate(blocks[:len(found)]):
-            self.pool.cache(block, req.block_hashes[start + i],
-                            tokens[(start + i) * bs:(start + i + 1) * bs])
-        self.pool.free(reversed(blocks))  # the ones not loaded go back uncached
-        self.pool.free(reversed(hits))
+        self.pool.acquire(hits)  # held hits are not free: count what is left
+        try:
+            want = len(slots(self.pool.num_free_blocks))
+            blocks = self.pool.allocate(want) if want else []
+            found = slots(want)
+            host.load(found, [b.block_id for b in blocks[:len(found)]])
+            for i, block in enumerate(blocks[:len(found)]):
+                self.pool.cache(block, req.block_hashes[start + i],
+                                tokens[(start + i) * bs:(start + i + 1) * bs])
+            self.pool.free(reversed(blocks))  # the ones not loaded go back uncached
+        finally:
+            self.pool.free(reversed(hits))
         if found:
             self._promoted[req.request_id] = self._promoted.get(req.request_id, 0) + len(found)
         return blocks[:len(found)]

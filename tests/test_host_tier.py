@@ -112,3 +112,33 @@ def test_tandem_up_serves_prompts_again_from_the_host_tier() -> None:
             time.sleep(0.5)
     assert host >= 6 * 48  # every full prompt block of the second round, on some node
     assert usage and max(usage) > 0
+
+
+def test_promotion_takes_only_blocks_that_are_free_besides_the_prompts_own_hits() -> None:
+    """A prompt whose first block is a free device hit and whose second is in the host
+    tier, with no other device block free: the second cannot be brought back (the one
+    free block is the prompt's own hit), and the hit is not taken from under it."""
+    from tandem.engine.block_hash import root_hash
+    from tandem.engine.block_pool import BlockPool
+    from tandem.engine.kv_cache_manager import KVCacheManager
+    from tandem.engine.request import Request
+
+    params = SamplingParams(max_tokens=1)
+    kv = KVCacheManager(BlockPool(2), 2, root_hash("t", "float32", 2), True)
+    tier = HostTier(4, _caches(num_blocks=2))
+    kv.attach_host_tier(tier)
+    prompt = Request("p", [1, 2, 3, 4, 5], params)
+    kv.find_cached_blocks(prompt)  # its block hashes: [1 2], [3 4]
+    warm = Request("w", [1, 2, 7], params)
+    assert kv.allocate(warm, 3)
+    warm.num_computed_tokens = 3
+    kv.cache_computed_blocks(warm)  # [1 2] cached on the device
+    kv.free(warm)
+    held = Request("h", [8], params)
+    assert kv.allocate(held, 1)  # takes the other block: only the [1 2] hit is free
+    tier.save([Evicted(1, prompt.block_hashes[1], (3, 4))])
+    hits = kv.find_cached_blocks(prompt, promote=True)
+    assert [b.block_hash for b in hits] == prompt.block_hashes[:1] and tier.blocks_loaded == 0
+    kv.free(held)  # now a block is free: [3 4] comes back into it
+    hits = kv.find_cached_blocks(prompt, promote=True)
+    assert [b.block_hash for b in hits] == prompt.block_hashes[:2] and tier.blocks_loaded == 1
