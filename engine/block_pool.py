@@ -5,7 +5,9 @@ Invariants:
 - a free block keeps its hash (and so stays a cache hit) until it is reallocated;
 - the free queue pops least-recently-freed first, so cached blocks are evicted LRU.
 Events go to the `on_event` hook; the pool itself knows nothing of who listens. A cached
-block about to be reused goes to the `on_reuse` hook first (the host tier copies it out).
+block about to be reused goes to the `on_reuse` hook first (the host tier copies it out);
+with one, the node still holds what leaves the device, so "evicted" names instead what the
+hook says it dropped, unless the device holds it (again).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class BlockEvent:
 
 
 EventHook = Callable[[BlockEvent], None]
-ReuseHook = Callable[[list[Evicted]], None]
+ReuseHook = Callable[[list[Evicted]], list[BlockHash]]  # -> the hashes it dropped
 
 
 class BlockPool:
@@ -69,12 +71,15 @@ class BlockPool:
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
         blocks = [self._free.popitem(last=False)[1] for _ in range(n)]
+        dropped: list[BlockHash] = []
         if self.on_reuse is not None:
             reused = [Evicted(b.block_id, b.block_hash, b.token_ids) for b in blocks
                       if b.block_hash is not None]
             if reused:
-                self.on_reuse(reused)
+                dropped = self.on_reuse(reused)
         evicted = [h for b in blocks if (h := self._uncache(b)) is not None]
+        if self.on_reuse is not None:  # what left the device is on the host
+            evicted = [h for h in dropped if h not in self._cached]
         for b in blocks:
             b.ref_cnt = 1
         if evicted:

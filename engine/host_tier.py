@@ -75,19 +75,27 @@ class HostTier:
         self._held.move_to_end(block_hash)
         return held[0]
 
-    def save(self, blocks: Sequence[Evicted]) -> None:
-        """Copy out the cached blocks about to be reused (the pool's `on_reuse`)."""
-        ids, slots = [], []
+    def hashes(self) -> list[BlockHash]:
+        return list(self._held)
+
+    def save(self, blocks: Sequence[Evicted]) -> list[BlockHash]:
+        """Copy out the cached blocks about to be reused (the pool's `on_reuse`); the
+        hashes the tier dropped to make room, oldest first."""
+        ids, slots, dropped = [], [], []
         for b in blocks:
             if b.block_hash in self._held:  # copied out before and loaded back since
                 self._held.move_to_end(b.block_hash)
                 continue
-            slot = self._free.pop() if self._free else self._held.popitem(last=False)[1][0]
+            if self._free:
+                slot = self._free.pop()
+            else:
+                old, (slot, _) = self._held.popitem(last=False)
+                dropped.append(old)
             self._held[b.block_hash] = (slot, b.token_ids)
             ids.append(b.block_id)
             slots.append(slot)
         if not ids:
-            return
+            return dropped
         if not self._on_cuda:
             self._gather_scatter(self.kv_caches, ids, self.host, slots)
         else:
@@ -98,6 +106,7 @@ class HostTier:
             self._saved = torch.cuda.Event()
             self._saved.record()
         self.blocks_saved += len(ids)
+        return dropped
 
     def load(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         """Copy host slots back into device blocks (which the caller owns)."""

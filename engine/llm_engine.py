@@ -223,6 +223,14 @@ class LLMEngine:
         self._reserved[req.request_id] = req
         return cached
 
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every block hash this engine holds, on the device or in its host tier."""
+        device = self.block_pool.cached_hashes()
+        if self.host_tier is None:
+            return device
+        held = set(device)
+        return device + [h for h in self.host_tier.hashes() if h not in held]
+
     def cached_prompt_tokens(self, req: Request) -> int:
         """How many of `req`'s prompt tokens the prefix cache holds now (nothing is
         allocated: `reserve` or `add` may find fewer if blocks are evicted meanwhile)."""

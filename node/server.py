@@ -346,7 +346,7 @@ class NodeService(pb_grpc.NodeServicer):
 
         def subscribe(e: LLMEngine) -> list[bytes]:  # on the loop: no event slips between
             self.events.subscribe(subscriber)
-            return e.block_pool.cached_hashes()
+            return e.cached_block_hashes()
 
         try:
             yield pb.BlockEventBatch(snapshot=True, stored=await engine_call(self.loop, subscribe))

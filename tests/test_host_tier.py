@@ -142,3 +142,34 @@ def test_promotion_takes_only_blocks_that_are_free_besides_the_prompts_own_hits(
     kv.free(held)  # now a block is free: [3 4] comes back into it
     hits = kv.find_cached_blocks(prompt, promote=True)
     assert [b.block_hash for b in hits] == prompt.block_hashes[:2] and tier.blocks_loaded == 1
+
+
+def test_the_index_hears_of_a_block_leaving_the_node_only_when_the_tier_drops_it() -> None:
+    """Block events: a cached block that leaves the device for the host tier is still
+    the node's (no "evicted"); one the tier drops to make room, and the device no longer
+    holds, is."""
+    from tandem.engine.block_hash import root_hash
+    from tandem.engine.block_pool import BlockPool
+    from tandem.engine.kv_cache_manager import KVCacheManager
+    from tandem.engine.request import Request
+
+    events = []
+    pool = BlockPool(2, events.append)
+    kv = KVCacheManager(pool, 2, root_hash("t", "float32", 2), True)
+    kv.attach_host_tier(HostTier(1, _caches(num_blocks=2)))
+
+    def run(rid: str, prompt: list[int]) -> Request:
+        req = Request(rid, prompt, SamplingParams(max_tokens=1))
+        assert kv.allocate(req, len(prompt))
+        req.num_computed_tokens = len(prompt)
+        kv.cache_computed_blocks(req)
+        kv.free(req)
+        return req
+
+    a = run("a", [1, 2, 3])  # [1 2] stored
+    b = run("b", [5, 6, 7])  # reuses [1 2]'s block: to the host tier, not evicted
+    assert [(e.kind, e.block_hashes) for e in events] == [
+        ("stored", (a.block_hashes[0],)), ("stored", (b.block_hashes[0],))]
+    run("c", [8, 9, 4])  # [5 6] to the host; the one-slot tier drops [1 2]
+    assert [(e.kind, e.block_hashes) for e in events[2:]] == [
+        ("evicted", (a.block_hashes[0],)), ("stored", (events[-1].block_hashes[0],))]
