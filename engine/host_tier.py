@@ -6,14 +6,15 @@ CUDA) so a prompt that meets them again copies them back instead of computing th
     slot = tier.lookup(block_hash, token_ids)  # a hit re-checks the tokens
     tier.load([slot], [block_id])              # into a device block, before the step
 
-Each layer's host tensor mirrors the device cache's `[2, blocks, block_size, kv_heads,
-head_dim]` over the tier's slots. `save` copies out the blocks about to be reused; a hash
+Each layer's host tensor is slot-major, `[slots, 2, block_size, kv_heads, head_dim]`, so a
+slot is one contiguous piece of (pinned) memory that a block, gathered on the device,
+copies into with one asynchronous copy. `save` copies out the blocks about to be reused; a hash
 the tier holds already is only touched, so nothing is copied twice. The tier evicts its
 own least recently used slot when full. Copies run on the engine thread's current
-stream: on CUDA a save is non-blocking, block by block into pinned memory, ordered after
-the steps that wrote the blocks and before the step that reuses them (a load of a slot
-whose save may still be in flight waits for it); a load stages through the host at once
-and lands in stream order. On the CPU both copy at once.
+stream: on CUDA a save gathers the blocks on the device and copies each into its slot without
+blocking, ordered after the steps that wrote the blocks and before the step that reuses
+them (a load of a slot whose save may still be in flight waits for it); a load gathers
+on the host and lands in stream order. On the CPU both copy at once.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class HostTier:
         self.kv_caches = list(kv_caches)
         self.num_blocks = num_blocks
         pin = self.kv_caches[0].device.type == "cuda"
-        self.host = [torch.empty((c.shape[0], num_blocks, *c.shape[2:]), dtype=c.dtype,
+        self.host = [torch.empty((num_blocks, c.shape[0], *c.shape[2:]), dtype=c.dtype,
                                  pin_memory=pin) for c in self.kv_caches]
         # hash -> (slot, token ids), least recently used first.
         self._held: OrderedDict[BlockHash, tuple[int, tuple[int, ...]]] = OrderedDict()
@@ -96,12 +97,16 @@ class HostTier:
             slots.append(slot)
         if not ids:
             return dropped
-        if not self._on_cuda:
-            self._gather_scatter(self.kv_caches, ids, self.host, slots)
-        else:
-            for src, dst in zip(self.kv_caches, self.host):
-                for block_id, slot in zip(ids, slots):
-                    dst[:, slot].copy_(src[:, block_id], non_blocking=True)
+        index = torch.tensor(ids, device=self.kv_caches[0].device)
+        for src, dst in zip(self.kv_caches, self.host):
+            blocks = src.index_select(1, index).transpose(0, 1)  # [n, 2, ...]
+            if not self._on_cuda:
+                dst.index_copy_(0, torch.tensor(slots), blocks)
+                continue
+            blocks = blocks.contiguous()
+            for j, slot in enumerate(slots):
+                dst[slot].copy_(blocks[j], non_blocking=True)
+        if self._on_cuda:
             self._in_flight.update(slots)
             self._saved = torch.cuda.Event()
             self._saved.record()
@@ -112,22 +117,15 @@ class HostTier:
         """Copy host slots back into device blocks (which the caller owns)."""
         if not slots:
             return
-        if self._saved is not None and self._in_flight.intersection(slots):
-            self._saved.synchronize()  # saved this step, not yet on the host
-            self._in_flight.clear()
-        self._gather_scatter(self.host, list(slots), self.kv_caches, list(block_ids))
+        if self._saved is not None and self._in_flight:
+            if self._saved.query():  # every save so far has landed
+                self._in_flight.clear()
+            elif self._in_flight.intersection(slots):
+                self._saved.synchronize()  # saved this step, not yet on the host
+                self._in_flight.clear()
+        slots_t = torch.tensor(list(slots))
+        index = torch.tensor(list(block_ids), device=self.kv_caches[0].device)
+        for src, dst in zip(self.host, self.kv_caches):
+            blocks = src.index_select(0, slots_t).to(dst.device)  # [n, 2, ...]
+            dst.index_copy_(1, index, blocks.transpose(0, 1))
         self.blocks_loaded += len(slots)
-
-    def clear(self) -> None:
-        self._held.clear()
-        self._free = list(range(self.num_blocks - 1, -1, -1))
-
-    @staticmethod
-    def _gather_scatter(src: list[torch.Tensor], src_ids: list[int], dst: list[torch.Tensor],
-                        dst_ids: list[int]) -> None:
-        """dst[:, dst_ids] = src[:, src_ids], layer by layer; the source on the host or
-        on the destination's device (the gather is made there, then copied)."""
-        src_index = torch.tensor(src_ids, device=src[0].device)
-        dst_index = torch.tensor(dst_ids, device=dst[0].device)
-        for s, d in zip(src, dst):
-            d.index_copy_(1, dst_index, s.index_select(1, src_index).to(d.device))
