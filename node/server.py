@@ -368,9 +368,10 @@ class NodeService(pb_grpc.NodeServicer):
 
     async def num_requests(self) -> int:
         """Requests on this node: calls in progress, and any the engine holds besides
-        (reserved by a Reserve call)."""
-        ids = await engine_call(self.loop, lambda e: e.request_ids)
-        return len(set(ids) | set(self._tasks))
+        (reserved by a Reserve call). Read here, not between two steps: Drain must answer
+        within the control timeout while a long step runs (a prefill chunk under load);
+        the engine's ids are one copy the GIL keeps whole."""
+        return len(set(self.loop.engine.request_ids) | set(self._tasks))
 
     async def wait_drained(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
