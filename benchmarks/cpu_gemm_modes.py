@@ -1,0 +1,102 @@
+"""The CPU weight formats issue 28 weighs, against each other at the rows of a decode
+step: one layer's GEMMs of a model shape (q/k/v, o, gate/up, down) and its LM head, each
+format's time per call at 1 and 8 rows, on this machine's threads.
+
+    .venv/bin/python benchmarks/cpu_gemm_modes.py [--model smollm2-135m] [--json out.json]
+
+Formats: fp32 through torch's GEMM (MKL); fp32 and bf16 weights packed once by oneDNN
+(`engine/cpu_linear.py`'s path; bf16 activations in and fp32 out); int8 weights with
+per-channel scales (`aten._weight_int8pack_mm`); int4 in groups of 32 with scales and
+zero points (`aten._weight_int4pack_mm_for_cpu`). The weights are random: only speed is
+measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tandem.engine.config import NAMED_SHAPES
+
+GROUP = 32  # int4's group of input columns per scale
+
+
+def shapes(model: str) -> dict[str, tuple[int, int]]:
+    c = NAMED_SHAPES[model]
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {"qkv": (q + 2 * kv, c.hidden_size), "o": (c.hidden_size, q),
+            "gate_up": (2 * c.intermediate_size, c.hidden_size),
+            "down": (c.hidden_size, c.intermediate_size), "lm_head": (c.vocab_size, c.hidden_size)}
+
+
+def time_us(fn: Callable[[], object], seconds: float = 0.3) -> float:
+    for _ in range(3):
+        fn()
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+        n += 1
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def formats(w: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    n, k = w.shape
+    fp32_packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+    bf16_packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), rows)
+    scale = w.abs().amax(1) / 127
+    int8 = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    groups = w.view(n, k // GROUP, GROUP)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    step = (hi - lo).clamp(min=1e-6) / 15
+    q4 = torch.round((groups - lo[..., None]) / step[..., None]).clamp(0, 15)
+    int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.view(n, k).to(torch.int32), 1)
+    scales_zeros = torch.stack([step.t(), (lo + 8 * step).t()], -1).contiguous()
+    return {
+        "fp32 (MKL)": lambda x: F.linear(x, w),
+        "fp32 packed": lambda x: torch.ops.mkldnn._linear_pointwise(
+            x, fp32_packed, None, "none", [], ""),
+        "bf16 packed": lambda x: torch.ops.mkldnn._linear_pointwise(
+            x.bfloat16(), bf16_packed, None, "none", [], "").float(),
+        "int8": lambda x: torch.ops.aten._weight_int8pack_mm(x, int8, scale),
+        "int4 g32": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, int4, GROUP, scales_zeros),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", choices=sorted(NAMED_SHAPES))
+    p.add_argument("--rows", default="1,8", help="(default: %(default)s)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for rows in (int(r) for r in args.rows.split(",")):
+        table: dict[str, dict[str, float]] = {}
+        for name, (n, k) in shapes(args.model).items():
+            w, x = torch.randn(n, k), torch.randn(rows, k)
+            table[name] = {f: time_us(lambda fn=fn, x=x: fn(x))
+                           for f, fn in formats(w, rows).items()}
+        layer = {f: sum(table[s][f] for s in table if s != "lm_head") for f in table["qkv"]}
+        results[str(rows)] = {"per_gemm_us": table, "layer_us": layer}
+        print(f"{rows} rows, one layer's GEMMs (us): "
+              + ", ".join(f"{f} {v:,.0f}" for f, v in layer.items()))
+        print(f"{rows} rows, LM head (us): "
+              + ", ".join(f"{f} {v:,.0f}" for f, v in table["lm_head"].items()))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"model": args.model, "threads": torch.get_num_threads(),
+                       "torch": torch.__version__,
+                       "cpu": platform.processor() or platform.machine(),
+                       "capability": torch.backends.cpu.get_cpu_capability(),
+                       "results": results}, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
