@@ -19,16 +19,7 @@ from tandem.kernels import fused_moe as fm
 
 
 def run(x, logits, gate_up, down, top_k, tile):  # noqa: ANN001, ANN201
-    t, d = x.shape
-    e, two_f, _ = gate_up.shape
-    weights, ids = fm.route(logits, top_k, True)
-    sorted_pairs, block_expert = fm.align(ids, e, tile["BLOCK_M"])
-    h = torch.empty((t * top_k, two_f), dtype=x.dtype, device=x.device)
-    fm._grouped_gemm(x, gate_up, h, None, sorted_pairs, block_expert, top_k, tile)
-    act = fm.silu_mul(h)
-    y = torch.empty((t * top_k, d), dtype=x.dtype, device=x.device)
-    fm._grouped_gemm(act, down, y, weights.flatten(), sorted_pairs, block_expert, 1, tile)
-    return y.view(t, top_k, d).float().sum(1).to(x.dtype)
+    return fm.fused_moe(x, logits, gate_up, down, top_k, True, tile=tile)
 
 
 def time_ms(fn, iters: int = 20) -> float:  # noqa: ANN001

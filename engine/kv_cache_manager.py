@@ -59,29 +59,31 @@ class KVCacheManager:
         """Prompt tokens the device cache and then the host tier hold (nothing moves)."""
         hits = len(self.find_cached_blocks(req))
         if self.host is not None and self.enable_prefix_caching:
-            tokens, bs = req.all_token_ids, self.block_size
-            for i in range(hits, (len(tokens) - 1) // bs):
-                if self.host.lookup(req.block_hashes[i], tokens[i * bs:(i + 1) * bs]) is None:
-                    break
-                hits += 1
+            hits += len(self._host_slots(req, hits, (len(req.all_token_ids) - 1)
+                                         // self.block_size))
         return hits * self.block_size
+
+    def _host_slots(self, req: Request, start: int, stop: int) -> list[int]:
+        """The host tier's slots of `req`'s blocks start.. (before `stop`), up to the
+        first it lacks."""
+        tokens, bs = req.all_token_ids, self.block_size
+        found = []
+        for i in range(start, stop):
+            slot = self.host.lookup(req.block_hashes[i], tokens[i * bs:(i + 1) * bs])
+            if slot is None:
+                break
+            found.append(slot)
+        return found
 
     def _promote(self, req: Request, hits: list[Block], stop: int) -> list[Block]:
         """Blocks len(hits).. of `req` from the host tier into free device blocks, cached
         (and free, like any cached block no request holds). `hits` are held meanwhile so
         the allocation cannot reuse them; the slots are looked up again after it, since
         the copies out it makes may take the tier's oldest."""
-        tokens, bs, host = req.all_token_ids, self.block_size, self.host
-        start = len(hits)
+        tokens, bs, start = req.all_token_ids, self.block_size, len(hits)
 
-        def slots(most: int) -> list[int]:  # the host's, for up to `most` blocks
-            found = []
-            for i in range(start, min(stop, start + most)):
-                slot = host.lookup(req.block_hashes[i], tokens[i * bs:(i + 1) * bs])
-                if slot is None:
-                    break
-                found.append(slot)
-            return found
+        def slots(most: int) -> list[int]:  # for up to `most` blocks
+            return self._host_slots(req, start, min(stop, start + most))
 
         if not slots(self.pool.num_free_blocks):
             return []
@@ -90,7 +92,7 @@ class KVCacheManager:
             want = len(slots(self.pool.num_free_blocks))
             blocks = self.pool.allocate(want) if want else []
             found = slots(want)
-            host.load(found, [b.block_id for b in blocks[:len(found)]])
+            self.host.load(found, [b.block_id for b in blocks[:len(found)]])
             for i, block in enumerate(blocks[:len(found)]):
                 self.pool.cache(block, req.block_hashes[start + i],
                                 tokens[(start + i) * bs:(start + i + 1) * bs])

@@ -123,19 +123,22 @@ def fused_moe(x: torch.Tensor,  # [T, D], unit last stride
               router_logits: torch.Tensor,  # [T, E]
               gate_up: torch.Tensor,  # [E, 2F, D] contiguous
               down: torch.Tensor,  # [E, D, F] contiguous
-              top_k: int, renormalize: bool) -> torch.Tensor:  # [T, D]
+              top_k: int, renormalize: bool,
+              tile: dict[str, int] | None = None) -> torch.Tensor:  # [T, D]
+    """`tile`: the grouped GEMM's, at any token count (benchmarks compare them);
+    default: a row per pair for a few tokens, else `tiles`."""
     assert triton is not None, "Triton is not installed"
     t, d = x.shape
     e, two_f, _ = gate_up.shape
     weights, ids = route_fused(router_logits, top_k, renormalize)
-    if t * top_k <= e // 2:  # a few tokens: a row per pair, no sorting
+    if tile is None and t * top_k <= e // 2:  # a few tokens: a row per pair, no sorting
         h = torch.empty((t * top_k, two_f), dtype=x.dtype, device=x.device)
         _pair_gemv(x, gate_up, h, None, ids, top_k)
         act = silu_mul(h)
         y = torch.empty((t * top_k, d), dtype=x.dtype, device=x.device)
         _pair_gemv(act, down, y, weights, ids, 1)
         return y.view(t, top_k, d).float().sum(1).to(x.dtype)
-    tile = tiles(t * top_k, e)
+    tile = tile or tiles(t * top_k, e)
     sorted_pairs, block_expert = align(ids, e, tile["BLOCK_M"])
     h = torch.empty((t * top_k, two_f), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, gate_up, h, None, sorted_pairs, block_expert, top_k, tile)
