@@ -244,6 +244,11 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help="a prompt whose tokens missing from the decode node's cache are "
                         "fewer than this is prefilled on the decode node, skipping the "
                         "prefill pool (default: %(default)s, always use the prefill pool)")
+    g.add_argument("--early-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="have the prefill node start computing a prompt as the request "
+                        "comes, while the decode node reserves its blocks, rather than when "
+                        "the decode node calls it: the first token comes a hop and a "
+                        "reservation sooner (default: on)")
     g.add_argument("--index", default="memory", metavar="memory|URL",
                    help="block-hash index for prefix-aware routing: memory (held by the "
                         "router, fed by the nodes' block events) or redis://host:port/db "

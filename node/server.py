@@ -249,10 +249,15 @@ class NodeService(pb_grpc.NodeServicer):
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> pb.PrefillReply:
         self._serving(pb.PREFILL)
+        rid = request.request.request_id
+        if not request.HasField("sink"):  # an early start: a later call brings the sink
+            trace.mark(rid, "prefill.early")
+            self.prefill.begin(self._request(request.request), self.timeouts.early_hold_s)
+            return pb.PrefillReply()
         sink, first_block = convert.sink_from_pb(request.sink)
-        async with _Held(self, request.request.request_id):
-            trace.mark(request.request.request_id, "prefill.call")
-            req = self._request(request.request)
+        async with _Held(self, rid):
+            trace.mark(rid, "prefill.call")
+            req = self._request(request.request, reserved=self.prefill.holds(rid))
             started = time.monotonic()
             result = await self.prefill.run(req, sink, first_block)
             trace.mark(req.request_id, "prefill.reply")
@@ -268,6 +273,8 @@ class NodeService(pb_grpc.NodeServicer):
         if task is not None:  # its call owns the request: its end aborts it
             self._aborted[task] = reason
             task.cancel()
+            return pb.AbortReply(found=True)
+        if self.prefill.abort(request.request_id, reason):  # an early start, unattached
             return pb.AbortReply(found=True)
         found = await asyncio.wrap_future(self.decode.abort(request.request_id, reason))
         return pb.AbortReply(found=found)
@@ -371,7 +378,8 @@ class NodeService(pb_grpc.NodeServicer):
         (reserved by a Reserve call). Read here, not between two steps: Drain must answer
         within the control timeout while a long step runs (a prefill chunk under load);
         the engine's ids are one copy the GIL keeps whole."""
-        return len(set(self.loop.engine.request_ids) | set(self._tasks))
+        return len(set(self.loop.engine.request_ids) | set(self._tasks)
+                   | set(self.prefill.request_ids()))
 
     async def wait_drained(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -397,9 +405,10 @@ class NodeService(pb_grpc.NodeServicer):
 
     def _request(self, msg: pb.Request, reserved: bool = False) -> Request:
         """The request `msg` describes, checked against the engine (its context length and
-        vocabulary, and unless `reserved`, that its id is not in use). Here on the asyncio
-        loop, not a hop to the engine loop (which may be mid-step): the checks read only
-        what never changes and one dict lookup; the engine's `add` checks the id again."""
+        vocabulary, and unless `reserved` or started early, that its id is not in use).
+        Here on the asyncio loop, not a hop to the engine loop (which may be mid-step): the
+        checks read only what never changes and one dict lookup; the engine's `add` checks
+        the id again."""
         if not msg.request_id:
             raise ValueError("request_id is empty")
         engine = self.loop.engine

@@ -33,26 +33,28 @@ node's reply.
 With the cluster secret every push proves it to the receiver (`auth`). A sink that has
 expired is refused before anything is computed, and one that expires while its prompt
 waits in the engine gets no push.
+
+An early start (`begin`: the router asks while the decode node reserves the prompt's
+blocks, so the compute starts one hop and one reservation sooner) computes the prompt
+before its sink is known: the hook holds every prompt block and the transfer thread waits
+for its target, which the decode node's own call brings (`run` finds the early start and
+attaches its sink). Only a few wait for their sinks at once (`MAX_EARLY`), and only on a
+node whose engine has no prompt waiting; one whose sink does not come within its hold is
+dropped, and the call that brings the sink later computes the prompt again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-
-import torch
 
 from tandem.engine import trace
 from tandem.engine.block_pool import Block
-from tandem.engine.llm_engine import LLMEngine, bind_thread
+from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request
 from tandem.kvtransfer.agent import SinkInfo
@@ -61,8 +63,7 @@ from tandem.kvtransfer.layout import KVLayout
 from tandem.kvtransfer.sender import KVPush
 from tandem.kvtransfer.staging import KVRows
 from tandem.node.loop import EngineLoop
-
-log = logging.getLogger(__name__)
+from tandem.prefill_node.transfer import Target, Transfer, transfer_error
 
 # A push may outlive its sink's expiry by this much: the receiver's abort for an expired
 # sink, or its `done` for one that became ready just in time, is still on its way.
@@ -74,9 +75,13 @@ _CLOSE_WAIT_S = 10.0  # close(): how long to wait for cancelled transfer threads
 # a burst puts a push in flight for every prompt computed; the rest wait their turn.
 MAX_STAGED_PUSHES = 4
 
-# What the engine thread hands a transfer thread: a computed layer (with, on CUDA, the
-# event recorded after its compute), or the error it should give up with.
-_Item = tuple[int, torch.cuda.Event | None] | BaseException
+# Early starts that wait for their sinks at once, and the share of the KV blocks they may
+# hold: each holds its prompt's blocks until its sink comes (or its hold lapses), and a
+# prompt whose sink is ready must never wait for blocks behind them. Past either, a
+# prompt starts when its sink comes.
+MAX_EARLY = 4
+MAX_EARLY_SHARE = 0.25
+_REMEMBERED = 4096  # request ids started here, so a late early start does not run again
 
 
 @dataclass(frozen=True)
@@ -88,15 +93,19 @@ class PrefillResult:
 
 @dataclass(eq=False)
 class _Pending:
-    """One prefill, from `prefill()` to its result. `transfer`, `output` and `pushed_s`
-    are set under the role's lock (a transfer thread reads them); `error` is the loop's."""
+    """One prefill, from its start to its result. `target` (the sink, and the first prompt
+    block it takes) comes with the start, or after an early start with `run`, which moves
+    `deadline` before it sets `target`. `transfer`, `output` and `pushed_s` are set under
+    the role's lock (a transfer thread reads them); `error` is the loop's."""
 
-    sink: SinkInfo
-    first_block: int
+    request_id: str
+    prompt: list[int]
     deadline: float  # time.monotonic(): the caller and the push give up then
     wait_s: float  # the caller's wait, from its start to the deadline
+    early: bool = False
+    target: Future[Target] = field(default_factory=Future)
     result: Future[PrefillResult] = field(default_factory=Future)
-    transfer: _Transfer | None = None
+    transfer: Transfer | None = None
     error: BaseException | None = None  # the hook's reason for opening no push
     output: RequestOutput | None = None  # the finished output, first token in it
     pushed_s: float | None = None  # once the receiver said done: seconds since the hook
@@ -112,9 +121,13 @@ class PrefillRole:
         self._timeouts = {"connect_timeout": connect_timeout_s, "send_timeout": send_timeout_s,
                           "reply_timeout": reply_timeout_s}
         self._secret = secret
-        self._pending: dict[str, _Pending] = {}  # touched on the loop thread only
-        self._live: set[_Transfer] = set()  # under _lock
+        self._pending: dict[str, _Pending] = {}  # in the engine: the loop thread's only
         self._lock = threading.Lock()
+        # Under _lock: every prefill until its result, by request; transfers running;
+        # request ids started here lately (oldest first).
+        self._by_id: dict[str, _Pending] = {}
+        self._live: set[Transfer] = set()
+        self._started: dict[str, None] = {}
         self.kv_bytes_sent = 0
         self.kv_transfer_seconds = 0.0  # summed over pushes, the hook to the receiver's done
         self.transfers_failed = 0
@@ -130,25 +143,26 @@ class PrefillRole:
 
     async def run(self, req: Request, sink: SinkInfo, first_block: int,
                   timeout_s: float = 120.0) -> PrefillResult:
-        """Compute `req`'s prompt and push blocks first_block.. of it into `sink`.
-        Raises ValueError for a bad request, TransferError when the push failed (or the
-        sink expired). Waits until the sink's expiry plus a grace, at most `timeout_s`;
-        a caller that goes away (cancelled) drops the prompt from the engine."""
-        pending, add = self._begin(req, sink, first_block, timeout_s)
+        """Compute `req`'s prompt (or take up its early start) and push blocks
+        first_block.. of it into `sink`. Raises ValueError for a bad request,
+        TransferError when the push failed (or the sink expired). Waits until the sink's
+        expiry plus a grace, at most `timeout_s`; a caller that goes away (cancelled)
+        drops the prompt from the engine."""
         rid = req.request_id
-        # Not awaited on its own: this loop's wake-up would come during the prompt's step.
-        self.loop.submit(add).add_done_callback(
-            lambda added: self._not_added(pending, added.exception()))
+        wait_s = self._check(req, sink, first_block, timeout_s)
+        pending = self._attach(req, (sink, first_block), wait_s)
+        if pending is None:
+            pending = self._add(req, (sink, first_block), wait_s)
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending.result)),
                                           max(0.0, pending.deadline - time.monotonic()))
         except TimeoutError:
             error = TransferError(f"no KV push result for {rid!r} within {pending.wait_s:.3g}s "
                                   f"(its sink's expiry and {EXPIRY_GRACE_S:g}s)")
-            self._give_up(rid, pending, error)
+            self._give_up(pending, error)
             raise error from None
         except asyncio.CancelledError:
-            self._give_up(rid, pending, TransferError(f"the caller of {rid!r} went away"))
+            self._give_up(pending, TransferError(f"the caller of {rid!r} went away"))
             raise
 
     def prefill(self, req: Request, sink: SinkInfo, first_block: int,
@@ -156,33 +170,43 @@ class PrefillRole:
         """`run`, for a caller on no event loop (a script, a test thread)."""
         return asyncio.run(self.run(req, sink, first_block, timeout_s))
 
-    def _begin(self, req: Request, sink: SinkInfo, first_block: int, timeout_s: float
-               ) -> tuple[_Pending, Callable[[LLMEngine], None]]:
-        """Check the sink; the pending prefill, and what adds it on the loop thread."""
-        if len(sink.block_ids) != -(-req.num_prompt_tokens // self.layout.block_size) - first_block:
-            raise ValueError(f"the sink's {len(sink.block_ids)} blocks from block {first_block} "
-                             f"do not fit a {req.num_prompt_tokens}-token prompt")
-        left = sink.expires_at - time.time()
-        if left <= 0:
-            self._count_failure()
-            raise TransferError(f"the sink for {req.request_id!r} expired {-left:.3g}s ago")
-        params = req.params
-        one = Request(req.request_id, req.prompt_token_ids,
-                      replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)),
-                      cache_salt=req.cache_salt)
-        wait_s = min(timeout_s, left + EXPIRY_GRACE_S)
-        pending = _Pending(sink, first_block, time.monotonic() + wait_s, wait_s)
+    def begin(self, req: Request, hold_s: float) -> bool:
+        """An early start: compute `req`'s prompt now, its sink to come with a later `run`
+        (within `hold_s`, else it is dropped). On the asyncio loop. Skipped, and the later
+        `run` starts it, while the engine has prompts waiting, while early starts that
+        wait for their sinks are MAX_EARLY or would hold more than MAX_EARLY_SHARE of the
+        blocks with this one, or if the id started here before; whether it started."""
         rid = req.request_id
+        engine = self.loop.engine
+        with self._lock:
+            early = [p for p in self._by_id.values() if p.early and not p.target.done()]
+            blocks = sum(self._blocks(len(p.prompt)) for p in early)
+            blocks += self._blocks(req.num_prompt_tokens)
+            if (rid in self._started or engine.scheduler.waiting or len(early) >= MAX_EARLY
+                    or blocks > MAX_EARLY_SHARE * engine.block_pool.num_blocks):
+                return False
+            pending = self._register(_Pending(rid, list(req.prompt_token_ids),
+                                              time.monotonic() + hold_s, hold_s, early=True))
+        self._submit_add(req, pending)
+        asyncio.get_running_loop().call_later(hold_s, self._lapse, pending)
+        return True
 
-        def add(engine: LLMEngine) -> None:
-            # On the loop thread, so no step runs before the listener is in place; and
-            # only once the engine took the request: an id in use keeps its listener.
-            engine.add(one)
-            trace.mark(rid, "prefill.added")
-            self._pending[rid] = pending
-            self.loop.listen(rid, lambda out: self._on_output(rid, out))
+    def holds(self, request_id: str) -> bool:
+        """Whether a prefill of `request_id` is under way here (an early start, say)."""
+        with self._lock:
+            return request_id in self._by_id
 
-        return pending, add
+    def request_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._by_id)
+
+    def abort(self, request_id: str, reason: str) -> bool:
+        """Fail the prefill of `request_id` and drop it; whether there was one."""
+        with self._lock:
+            pending = self._by_id.get(request_id)
+        if pending is not None:
+            self._give_up(pending, TransferError(f"prefill of {request_id!r} aborted: {reason}"))
+        return pending is not None
 
     def close(self) -> None:
         """Cancel the transfers still running and wait (a bounded time) for their ends."""
@@ -194,6 +218,84 @@ class PrefillRole:
         for transfer in live:
             transfer.join(max(0.0, deadline - time.monotonic()))
 
+    # -- starting ----------------------------------------------------------------------------
+
+    def _blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.layout.block_size)
+
+    def _check(self, req: Request, sink: SinkInfo, first_block: int, timeout_s: float) -> float:
+        """Check the sink against the prompt; how long its caller may wait."""
+        if len(sink.block_ids) != self._blocks(req.num_prompt_tokens) - first_block:
+            raise ValueError(f"the sink's {len(sink.block_ids)} blocks from block {first_block} "
+                             f"do not fit a {req.num_prompt_tokens}-token prompt")
+        left = sink.expires_at - time.time()
+        if left <= 0:
+            self._count_failure()
+            raise TransferError(f"the sink for {req.request_id!r} expired {-left:.3g}s ago")
+        return min(timeout_s, left + EXPIRY_GRACE_S)
+
+    def _attach(self, req: Request, target: Target, wait_s: float) -> _Pending | None:
+        """The early start of `req` that waits for its sink, given `target`; None if none
+        waits (the caller starts the prompt)."""
+        with self._lock:
+            pending = self._by_id.get(req.request_id)
+            if (pending is None or not pending.early or pending.target.done()
+                    or pending.result.done()):
+                return None
+            if pending.prompt != list(req.prompt_token_ids):
+                raise ValueError(f"request id {req.request_id!r} is in use for another prompt")
+            pending.deadline, pending.wait_s = time.monotonic() + wait_s, wait_s
+            pending.target.set_result(target)
+        trace.mark(req.request_id, "prefill.attached")
+        return pending
+
+    def _add(self, req: Request, target: Target, wait_s: float) -> _Pending:
+        pending = _Pending(req.request_id, list(req.prompt_token_ids),
+                           time.monotonic() + wait_s, wait_s)
+        pending.target.set_result(target)
+        with self._lock:
+            self._register(pending)
+        self._submit_add(req, pending)
+        return pending
+
+    def _register(self, pending: _Pending) -> _Pending:
+        """Under _lock."""
+        rid = pending.request_id
+        self._by_id.setdefault(rid, pending)  # a namesake's add fails: it keeps its entry
+        self._started[rid] = None
+        if len(self._started) > _REMEMBERED:
+            del self._started[next(iter(self._started))]
+        return pending
+
+    def _submit_add(self, req: Request, pending: _Pending) -> None:
+        """Add the prompt (one token to sample) on the loop thread. Not awaited: this
+        loop's wake-up would come during the prompt's step."""
+        params = req.params
+        one = Request(req.request_id, req.prompt_token_ids,
+                      replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)),
+                      cache_salt=req.cache_salt)
+        rid = req.request_id
+
+        def add(engine: LLMEngine) -> None:
+            # On the loop thread, so no step runs before the listener is in place; and
+            # only once the engine took the request: an id in use keeps its listener.
+            old = self._pending.get(rid)
+            if old is not None and old.result.done():  # a failed early start, not yet dropped
+                self._drop(engine, old)
+            engine.add(one)
+            trace.mark(rid, "prefill.added")
+            self._pending[rid] = pending
+            self.loop.listen(rid, lambda out: self._on_output(rid, out))
+
+        self.loop.submit(add).add_done_callback(
+            lambda added: self._not_added(pending, added.exception()))
+
+    def _lapse(self, pending: _Pending) -> None:
+        """An early start's hold is over: dropped unless its sink came."""
+        if not pending.target.done():
+            self._give_up(pending, TransferError(
+                f"no sink came for {pending.request_id!r} within {pending.wait_s:g}s"))
+
     # -- on the loop thread ----------------------------------------------------------------
 
     def _hook(self, req: Request) -> Callable[[int], None] | None:
@@ -202,24 +304,30 @@ class PrefillRole:
         if pending is None or pending.transfer is not None:
             return None
         trace.mark(req.request_id, "prefill.hook")
-        if time.time() >= pending.sink.expires_at:
+        target = pending.target.result() if pending.target.done() and not (
+            pending.target.exception()) else None
+        if target is not None and time.time() >= target[0].expires_at:
             pending.error = TransferError(f"the sink for {req.request_id!r} expired before "
                                           f"its prompt was computed")
             return None
-        n = len(pending.sink.block_ids)
-        src = req.block_ids[pending.first_block:pending.first_block + n]
-        if len(src) != n:  # (prefill() checked the count; this is the engine's side)
-            pending.error = TransferError(f"{len(src)} prompt blocks for a {n}-block sink")
-            return None
         pool = self.loop.engine.block_pool
-        blocks = [pool.blocks[i] for i in src]
+        prompt_blocks = list(req.block_ids)  # the target takes its slice of them
+        blocks = [pool.blocks[i] for i in prompt_blocks]
         whole = self._whole
-        transfer = _Transfer(
-            lambda: KVPush(self.connector, pending.sink, self._rows, src, self.layout,
-                           secret=self._secret, all_computed=whole, **self._timeouts),
-            self._rows.caches[0].device, pending.deadline,
-            lambda error: self._pushed(pending, transfer, blocks, error),
-            self.layout.num_layers if whole else 0, self._staging)
+
+        def open_push(target: Target) -> KVPush:
+            sink, first = target
+            src = prompt_blocks[first:first + len(sink.block_ids)]
+            if len(src) != len(sink.block_ids):  # (run() checked the count; the engine's side)
+                raise TransferError(f"{len(src)} prompt blocks for a "
+                                    f"{len(sink.block_ids)}-block sink")
+            return KVPush(self.connector, sink, self._rows, src, self.layout,
+                          secret=self._secret, all_computed=whole, **self._timeouts)
+
+        transfer = Transfer(pending.target, open_push, self._rows.caches[0].device,
+                            lambda: pending.deadline,
+                            lambda error: self._pushed(pending, transfer, blocks, error),
+                            self.layout.num_layers if whole else 0, self._staging)
         with self._lock:
             if pending.result.done():  # the caller gave up meanwhile
                 return None
@@ -251,12 +359,20 @@ class PrefillRole:
             return
         self._fail(pending, error)
 
+    def _drop(self, engine: LLMEngine, pending: _Pending) -> None:
+        """Drop `pending`'s prompt from the engine if it still has it."""
+        rid = pending.request_id
+        if self._pending.get(rid) is pending:  # not finished (nor a later namesake)
+            del self._pending[rid]
+            self.loop.unlisten(rid)
+            engine.abort(rid)
+
     # -- on any thread -----------------------------------------------------------------------
 
-    def _pushed(self, pending: _Pending, transfer: _Transfer, blocks: list[Block],
+    def _pushed(self, pending: _Pending, transfer: Transfer, blocks: list[Block],
                 error: BaseException | None) -> None:
         """A transfer thread's end: every read of `blocks` is done."""
-        trace.mark(pending.sink.request_id, "prefill.pushed")
+        trace.mark(pending.request_id, "prefill.pushed")
         self._release(blocks)  # before the result: a call after it sees them back
         with self._lock:
             self._live.discard(transfer)
@@ -265,7 +381,7 @@ class PrefillRole:
         if error is None:
             self._complete(pending)
         else:
-            self._fail(pending, _transfer_error(error))
+            self._fail(pending, transfer_error(error))
 
     def _release(self, blocks: list[Block]) -> None:
         """Hand the transfer's reference on the blocks back, tail first as the engine
@@ -274,173 +390,50 @@ class PrefillRole:
 
     def _complete(self, pending: _Pending) -> None:
         """The result, once both the first token and the receiver's done are in."""
-        kv_bytes = len(pending.sink.block_ids) * self.layout.block_bytes * self.layout.num_layers
         with self._lock:
             out, seconds = pending.output, pending.pushed_s
             if out is None or seconds is None or pending.result.done():
                 return
+            sink = pending.target.result()[0]
+            kv_bytes = len(sink.block_ids) * self.layout.block_bytes * self.layout.num_layers
             self.kv_bytes_sent += kv_bytes
             self.kv_transfer_seconds += seconds
-            pending.result.set_result(
-                PrefillResult(out.token_ids[0], out.num_cached_tokens, kv_bytes))
+            self._settle(pending, PrefillResult(out.token_ids[0], out.num_cached_tokens,
+                                                kv_bytes))
 
-    def _fail(self, pending: _Pending, error: BaseException) -> None:
+    def _fail(self, pending: _Pending, error: BaseException, count: bool = True) -> None:
         """Fail the prefill once (and count it); its transfer, if running, gives up."""
         with self._lock:
             if pending.result.done():
                 return
-            self.transfers_failed += 1
-            pending.result.set_exception(error)
+            self.transfers_failed += count
+            self._settle(pending, error=error)
             transfer = pending.transfer
         if transfer is not None:
             transfer.cancel(error)
 
+    def _settle(self, pending: _Pending, result: PrefillResult | None = None,
+                error: BaseException | None = None) -> None:
+        """Under _lock: the prefill's one outcome; it is no longer under way."""
+        if error is not None:
+            pending.result.set_exception(error)
+        else:
+            pending.result.set_result(result)
+        if self._by_id.get(pending.request_id) is pending:
+            del self._by_id[pending.request_id]
+
     def _not_added(self, pending: _Pending, error: BaseException | None) -> None:
         """The engine refused the prompt (its id is in use, the loop is closed): the
         caller gets that error, uncounted."""
-        if error is None:
-            return
-        with self._lock:
-            if not pending.result.done():
-                pending.result.set_exception(error)
+        if error is not None:
+            self._fail(pending, error, count=False)
 
     def _count_failure(self) -> None:
         with self._lock:
             self.transfers_failed += 1
 
-    def _give_up(self, rid: str, pending: _Pending, error: TransferError) -> None:
-        """The caller's wait ended: fail the prefill, and drop the request if the engine
-        still has it (queued behind others past its sink's expiry)."""
+    def _give_up(self, pending: _Pending, error: TransferError) -> None:
+        """The wait for `pending` ended: fail it, and drop the prompt if the engine still
+        has it (queued behind others past its sink's expiry)."""
         self._fail(pending, error)
-
-        def drop(engine: LLMEngine) -> None:
-            if self._pending.get(rid) is pending:  # not finished (nor a later namesake)
-                del self._pending[rid]
-                self.loop.unlisten(rid)
-                engine.abort(rid)
-
-        self.loop.submit(drop)
-
-
-class _Transfer:
-    """One KV push on its own thread, fed layer by layer from the engine thread; or, with
-    `whole` (the number of layers), once, when the last layer is computed."""
-
-    def __init__(self, open_push: Callable[[], KVPush], device: torch.device,
-                 deadline: float, on_end: Callable[[BaseException | None], None],
-                 whole: int = 0, staging: threading.Semaphore | None = None) -> None:
-        """`staging`: a slot of it is held from the push's open to its end."""
-        self._open_push, self._device = open_push, device
-        self._staging = staging
-        self._first_token: Future[int] = Future()  # the end frame carries it
-        self._deadline, self._on_end = deadline, on_end
-        self._last = whole - 1  # whole: the one layer handed over (-1: every layer)
-        self._items: queue.SimpleQueue[_Item] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="kv-push", daemon=True)
-        self.started = 0.0  # time.monotonic(), set by the hook
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def layer_done(self, layer: int) -> None:
-        """Engine thread, as layer `layer`'s KV is written (on CUDA: enqueued): hand it
-        over. Never waits."""
-        if layer < self._last:
-            return
-        event = None
-        if self._device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self._device))
-        self._items.put((layer, event))
-
-    def sampled(self, token: int) -> None:
-        """The engine thread, once the prompt's step sampled `token`."""
-        with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
-            self._first_token.set_result(token)
-
-    def cancel(self, error: BaseException) -> None:
-        """Any thread: give up with `error` at the next layer the push waits for (or the
-        first token)."""
-        self._items.put(error)
-        with contextlib.suppress(InvalidStateError):
-            self._first_token.set_exception(error)
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
-
-    # -- on the transfer thread --------------------------------------------------------------
-
-    def _run(self) -> None:
-        bind_thread(self._device)
-        stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
-        error: BaseException | None = None
-        try:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                try:
-                    self._push()
-                finally:
-                    if stream is not None:  # the gathers have read the blocks
-                        stream.synchronize()
-        except BaseException as exc:  # noqa: BLE001 - handed to the role
-            error = exc
-        self._on_end(error)
-
-    def _push(self) -> None:
-        if self._staging is None:
-            self._push_now()
-            return
-        if not self._staging.acquire(timeout=max(0.0, self._deadline - time.monotonic())):
-            raise TransferError("no staging slot came free before the sink expired")
-        try:
-            self._push_now()
-        finally:
-            self._staging.release()
-
-    def _push_now(self) -> None:
-        with self._open_push() as push:  # an error leaving the block aborts the push
-            rid = push.sink.request_id
-            push.start()
-            trace.mark(rid, "push.started")
-            if self._last >= 0:  # whole: that layer's compute comes after every other's
-                self._next_layer()
-                for layer in range(push.layout.num_layers):
-                    push.send_layer(layer)
-            else:
-                for _ in range(push.layout.num_layers):
-                    push.send_layer(self._next_layer())
-            trace.mark(rid, "push.layers_sent")
-            push.finish(self._sampled())
-            trace.mark(rid, "push.done")
-
-    def _sampled(self) -> int:
-        """The first token, once the engine thread sampled it (as the layers land)."""
-        try:
-            return self._first_token.result(max(0.0, self._deadline - time.monotonic()))
-        except FutureTimeout:
-            raise TransferError("the prompt's first token was not sampled before the sink "
-                                "expired") from None
-
-    def _next_layer(self) -> int:
-        """The next computed layer, its compute ordered before the work this thread
-        enqueues next; raises a cancellation, or at the deadline."""
-        try:
-            item = self._items.get(timeout=max(0.0, self._deadline - time.monotonic()))
-        except queue.Empty:
-            raise TransferError("the prompt's layers were not computed before the sink "
-                                "expired") from None
-        if isinstance(item, BaseException):
-            raise item
-        layer, event = item
-        if event is not None:
-            torch.cuda.current_stream(self._device).wait_event(event)
-        return layer
-
-
-def _transfer_error(error: BaseException) -> BaseException:
-    """What `prefill()` raises for a push that ended with `error`."""
-    if isinstance(error, (TransferError, ValueError)):
-        return error
-    log.error("KV push failed", exc_info=error)
-    wrapped = TransferError(f"KV push failed: {error!r}")
-    wrapped.__cause__ = error
-    return wrapped
+        self.loop.submit(lambda engine: self._drop(engine, pending))

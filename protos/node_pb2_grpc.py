@@ -99,7 +99,10 @@ class NodeServicer:
 
     def Prefill(self, request, context):
         """Prefill role: compute the prompt, push its KV into the sink layer by layer while
-        later layers compute, and return the first token.
+        later layers compute, and return the first token. Without a sink, an early start
+        (the router's, while the decode node reserves): the node may start computing the
+        prompt now and answers at once with an empty reply; the decode node's call with
+        the sink, for the same request, takes it up (or computes it, if it did not start).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -5,7 +5,11 @@ from the router on the critical path (decode-first):
 2. call `Generate` on the decode node with a prefill plan naming that prefill node: the
    decode node reserves the prompt's blocks (its prefix cache counts); if the tokens it
    lacks are fewer than `local_prefill_threshold`, it prefills itself, else it calls the
-   prefill node, which computes the prompt and pushes its KV into the reserved blocks;
+   prefill node, which computes the prompt and pushes its KV into the reserved blocks.
+   With `early_prefill`, the router also asks the prefill node to start computing at
+   once (a Prefill call without a sink, answered at once), so the compute does not wait
+   for the hop to the decode node and its reservation: the decode node's call attaches
+   its sink to the prompt under way (SGLang's bootstrap does the same in its own way);
 3. stream the tokens the decode node generates, the first as soon as it is sampled:
    they come through this router's `Outputs` stream from that node (one message per
    engine step for all its requests; `NodeClient.follow_outputs`), or in the Generate
@@ -65,6 +69,7 @@ class StreamBroken(Exception):
 class FlowConfig:
     local_prefill_threshold: int = 0  # uncached tokens below this: prefill on the decode node
     on_transfer_failure: str = "recompute"  # or "fail"
+    early_prefill: bool = True  # start the prefill node's compute while the decode reserves
     max_attempts: int = 3  # decode nodes tried per request (a node with no room is no try)
     max_queued_requests: int = Limits.max_queued_requests
     queue_timeout_s: float = Limits.queue_timeout_s
@@ -122,10 +127,12 @@ class Flow:
     async def _on(self, decode: NodeClient, request: pb.Request, began: float
                   ) -> AsyncIterator[pb.GenerateChunk]:
         """One call, decode-first: the decode node reserves the prompt's blocks, has the
-        prefill node picked here compute them (or computes them itself), and streams.
+        prefill node picked here (by the prompt's cached blocks and its queue, or None:
+        none is up) compute them, or computes them itself, and streams.
         Its TTFT (since `began`) counts for both nodes, its ITL for the decode node."""
         rid = request.request_id
-        prefill = await self._pick_prefill(request)
+        cached = await self.index.cached_tokens(request.prompt_token_ids)
+        prefill = self.pool.pick_prefill(len(request.prompt_token_ids), cached)
         touched = [decode] if prefill is None else [decode, prefill]
         plan = pb.PrefillPlan(
             address=prefill.address if prefill is not None else "",
@@ -135,6 +142,8 @@ class Flow:
         )
         finished = False
         queued_s = time.monotonic() - began  # in this router's queue
+        uncached = len(request.prompt_token_ids) - cached.get(decode.address, 0)
+        early = prefill is not None and self._early(prefill, request, uncached)
         if prefill is not None:
             prefill.in_flight += 1
         try:
@@ -145,6 +154,8 @@ class Flow:
                 if previous is None:
                     self.metrics.queue_time.observe(queued_s + chunk.queued_s)
                     self._count_prefill(rid, chunk, prefill)
+                    if early and not chunk.prefilled_by:  # computed on the decode node
+                        self._abort(rid, [prefill])
                     self.pool.record_ttft(now - began, decode, prefill)
                     if prefill is not None:
                         prefill.in_flight -= 1
@@ -234,11 +245,26 @@ class Flow:
             if not finished:  # the node aborts the request when its call is cancelled
                 call.cancel()
 
-    async def _pick_prefill(self, request: pb.Request) -> NodeClient | None:
-        """The prefill node with the least work for this prompt; None: none is up, and
-        the decode node computes it."""
-        cached = await self.index.cached_tokens(request.prompt_token_ids)
-        return self.pool.pick_prefill(len(request.prompt_token_ids), cached)
+    def _early(self, prefill: NodeClient, request: pb.Request, uncached: int) -> bool:
+        """Start the prompt on `prefill` now, in the background (`early_prefill`); not a
+        prompt the decode node will compute itself (the index says it lacks fewer than
+        the threshold's tokens). The node may skip it (it is busy): the decode node's
+        call starts it then."""
+        if not self.config.early_prefill or uncached < self.config.local_prefill_threshold:
+            return False
+
+        async def start() -> None:
+            try:
+                await prefill.stub.Prefill(pb.PrefillRequest(request=request),
+                                           timeout=self.config.timeouts.control_s)
+            except grpc.aio.AioRpcError as exc:
+                log.debug("early start of %s on %s failed: %s", request.request_id,
+                          prefill.name, exc.details())
+
+        task = asyncio.get_running_loop().create_task(start())
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
+        return True
 
     def _count_prefill(self, rid: str, chunk: pb.GenerateChunk,
                        prefill: NodeClient | None) -> None:

@@ -270,6 +270,66 @@ def test_decode_first_drives_the_prefill_node_itself(nodes, prompts, expected): 
     assert _wait(lambda: _idle(decode) and _idle(prefill))
 
 
+def _early(prefill: Node, request: pb.Request) -> None:
+    """The router's early start: a Prefill call without a sink, answered at once."""
+    assert prefill.stub.Prefill(pb.PrefillRequest(request=request), timeout=10) == (
+        pb.PrefillReply())
+
+
+def test_an_early_start_is_taken_up_by_the_decode_nodes_call(nodes, prompts, expected):  # noqa: ANN001
+    """The prefill node computes each prompt before its sink exists; the decode node's
+    call attaches the sink, and the prompt is pushed, not computed again."""
+    prefill, decode = nodes
+    for i, (prompt, want) in enumerate(zip(prompts, expected)):
+        before = prefill.stats().prompt_tokens_computed
+        request = _request(f"early{i}", prompt)
+        _early(prefill, request)
+        want_computed = before + len(prompt)
+        assert _wait(lambda n=want_computed: prefill.stats().prompt_tokens_computed == n)
+        assert not _idle(prefill)  # its blocks are held for the push
+        tokens, chunks = _drive(decode, request, _plan(prefill))
+        assert tokens == want, f"prompt {i} ({len(prompt)} tokens)"
+        assert chunks[0].prefilled_by == prefill.service.events.node_id
+    p, d = prefill.stats(), decode.stats()
+    assert p.prompt_tokens_computed == sum(LENGTHS) and d.prompt_tokens_computed == 0
+    assert p.kv_bytes_sent == d.kv_bytes_received > 0
+    assert _wait(lambda: _idle(decode) and _idle(prefill))
+
+
+def test_an_early_start_is_dropped_unattached_or_aborted_and_checked_when_attached(
+        model_path, prompts):  # noqa: ANN001
+    """No sink within the hold, or an Abort: its blocks come back. A sink for another
+    prompt under its id is refused. A second early start of an id does not compute it
+    again."""
+    prefill = _node(model_path, "prefill", timeouts=Timeouts(early_hold_s=2.0))
+    decode = _node(model_path, "decode")
+    try:
+        _early(prefill, _request("lapses", prompts[4]))
+        assert _wait(lambda: not _idle(prefill))
+        assert _wait(lambda: _idle(prefill), timeout=5)
+        _early(prefill, _request("lapses", prompts[4]))  # started here before: skipped
+        assert prefill.stats().prompt_tokens_computed == LENGTHS[4]
+        _early(prefill, _request("aborted", prompts[3]))
+        assert _wait(lambda: prefill.stats().prompt_tokens_computed == LENGTHS[4] + LENGTHS[3])
+        assert prefill.stub.Abort(pb.AbortRequest(request_id="aborted"), timeout=10).found
+        assert _wait(lambda: _idle(prefill), timeout=1.0)  # well inside the hold
+        _early(prefill, _request("other", prompts[2]))
+        sink = decode.stub.Reserve(pb.ReserveRequest(request=_request("other", prompts[1]),
+                                                     ttl_s=30), timeout=10).sink
+        with pytest.raises(grpc.RpcError) as raised:
+            prefill.stub.Prefill(pb.PrefillRequest(request=_request("other", prompts[1]),
+                                                   sink=sink), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "in use for another prompt" in raised.value.details()
+        decode.stub.Abort(pb.AbortRequest(request_id="other"), timeout=10)
+        assert _wait(lambda: _idle(prefill) and _idle(decode), timeout=5)
+    finally:
+        for node in (prefill, decode):
+            node.channel.close()
+            node.server.stop(grace=1).wait()
+            node.service.close()
+
+
 def test_decode_first_computes_here_below_the_threshold_or_without_a_prefill_node(
         nodes, prompts, expected):  # noqa: ANN001
     prefill, decode = nodes
@@ -419,7 +479,8 @@ def test_bad_calls_get_clear_status_codes(nodes, prompts):  # noqa: ANN001
          grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
         (lambda: decode.stub.Prefill(pb.PrefillRequest(request=_request("y", prompts[0]))),
          grpc.StatusCode.FAILED_PRECONDITION, "in the decode role"),
-        (lambda: prefill.stub.Prefill(pb.PrefillRequest(request=_request("z", prompts[0]))),
+        (lambda: prefill.stub.Prefill(pb.PrefillRequest(request=_request("z", prompts[0]),
+                                                        sink=pb.Sink())),
          grpc.StatusCode.INVALID_ARGUMENT, "the sink has no blocks"),
         (lambda: list(decode.stub.Generate(pb.GenerateRequest(
             request=_request("w", prompts[0]), first_token=5))),
