@@ -38,12 +38,16 @@ Both processes stamp time.monotonic(), one system-wide clock on a Linux host.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import multiprocessing as mp
 import platform
+import pstats
 import queue
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -87,6 +91,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="profile the sender's open of each measured push (KVPush and its "
+                        "start(): the host work a prefill node does during its step) and "
+                        "write the top functions here")
     return p.parse_args()
 
 
@@ -188,14 +196,20 @@ def sender_main(args: argparse.Namespace, n: int, sinks: Any, results: Any, stop
     results.put(("gather_s", _staging_s(caches, ids, scatter=False)))
     rows = KVRows(caches)  # built once, as a prefill node holds it for its cache
     connector = get_connector(args.connector, **_options(args.opt))
+    profile = cProfile.Profile() if args.profile else None
     for i in range(args.warmup + args.iters):
         sink = SinkInfo.from_dict(sinks.get(timeout=QUEUE_TIMEOUT_S))
+        measured = profile is not None and i >= args.warmup
+        if measured:
+            profile.enable()
         t_start = time.monotonic()
         with KVPush(connector, sink, rows, ids, layout, send_timeout=60, reply_timeout=60,
                     ring=args.ring, message_bytes=int(args.message_mb * 2**20),
                     all_computed=not args.layer_ms) as p:
             p.start()
             t_first = t_last = time.monotonic()
+            if measured:
+                profile.disable()
             for layer in range(layout.num_layers):
                 if layer and args.layer_ms:
                     time.sleep(args.layer_ms / 1e3)  # the prefill computing this layer
@@ -203,6 +217,11 @@ def sender_main(args: argparse.Namespace, n: int, sinks: Any, results: Any, stop
                 p.send_layer(layer)
             p.finish()
         results.put(("sent", i, t_start, t_first, t_last, time.monotonic()))
+    if profile is not None:
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(40)
+        Path(args.profile).write_text(f"{args.iters} push opens ({args.connector}, "
+                                      f"{args.tokens} tokens)\n{out.getvalue()}")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
