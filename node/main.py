@@ -13,7 +13,8 @@ from tandem.engine.cli_generate import engine_config
 from tandem.engine.llm_engine import LLMEngine
 from tandem.kvtransfer.index import get_index
 from tandem.node.auth import CLUSTER_SECRET_ENV, read_secret
-from tandem.node.server import NodeService, run_until_stopped, serve
+from tandem.node.grpc_server import run_until_stopped, serve
+from tandem.node.server import NodeService
 
 GIL_SWITCH_INTERVAL_S = 0.0005
 

@@ -20,7 +20,8 @@ from tandem import LLM, SamplingParams
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.node import convert
-from tandem.node.server import NodeService, serve
+from tandem.node.grpc_server import serve
+from tandem.node.server import NodeService
 from tandem.node.timeouts import TIMEOUTS, Timeouts
 from tandem.protos import node_pb2 as pb
 from tandem.protos import node_pb2_grpc as pb_grpc
