@@ -245,7 +245,7 @@ class NodeService(pb_grpc.NodeServicer):
         sink, first_block = convert.sink_from_pb(request.sink)
         async with _Held(self, rid):
             trace.mark(rid, "prefill.call")
-            req = self._request(request.request, reserved=self.prefill.holds(rid))
+            req = self._request(request.request, reserved=self.prefill.started(rid))
             started = time.monotonic()
             result = await self.prefill.run(req, sink, first_block)
             trace.mark(req.request_id, "prefill.reply")

@@ -191,10 +191,11 @@ class PrefillRole:
         asyncio.get_running_loop().call_later(hold_s, self._lapse, pending)
         return True
 
-    def holds(self, request_id: str) -> bool:
-        """Whether a prefill of `request_id` is under way here (an early start, say)."""
+    def started(self, request_id: str) -> bool:
+        """Whether `request_id` started here lately: its early start may be under way, or
+        dropped and still leaving the engine (the loop drops it before a new add)."""
         with self._lock:
-            return request_id in self._by_id
+            return request_id in self._started
 
     def request_ids(self) -> list[str]:
         with self._lock:

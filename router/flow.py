@@ -143,7 +143,7 @@ class Flow:
         finished = False
         queued_s = time.monotonic() - began  # in this router's queue
         uncached = len(request.prompt_token_ids) - cached.get(decode.address, 0)
-        early = prefill is not None and self._early(prefill, request, uncached)
+        early = prefill is not None and self._early(prefill, request, uncached, decode)
         if prefill is not None:
             prefill.in_flight += 1
         try:
@@ -245,12 +245,17 @@ class Flow:
             if not finished:  # the node aborts the request when its call is cancelled
                 call.cancel()
 
-    def _early(self, prefill: NodeClient, request: pb.Request, uncached: int) -> bool:
+    def _early(self, prefill: NodeClient, request: pb.Request, uncached: int,
+               decode: NodeClient) -> bool:
         """Start the prompt on `prefill` now, in the background (`early_prefill`); not a
         prompt the decode node will compute itself (the index says it lacks fewer than
-        the threshold's tokens). The node may skip it (it is busy): the decode node's
-        call starts it then."""
-        if not self.config.early_prefill or uncached < self.config.local_prefill_threshold:
+        the threshold's tokens), nor while requests wait for blocks (in this router's
+        queue, or the decode node's, as it last said): the sink would come late, while
+        the early prompt holds the prefill node's blocks. The
+        node may skip it (it is busy): the decode node's call starts it then."""
+        waiting = decode.stats.num_waiting if decode.stats is not None else 0
+        if (not self.config.early_prefill or uncached < self.config.local_prefill_threshold
+                or self.queue.num_waiting or waiting):
             return False
 
         async def start() -> None:

@@ -331,6 +331,26 @@ def test_an_early_start_is_dropped_unattached_or_aborted_and_checked_when_attach
             node.service.close()
 
 
+def test_a_sink_that_comes_after_the_early_start_lapsed_is_served(model_path, prompts,
+                                                                 expected):  # noqa: ANN001
+    """The hold lapses at once: the decode node's call finds the early start dropped (or
+    still leaving the engine) and the prompt is computed again, not refused as in use."""
+    prefill = _node(model_path, "prefill", timeouts=Timeouts(early_hold_s=0.001))
+    decode = _node(model_path, "decode")
+    try:
+        for n, i in enumerate((4, 3, 4, 2)):
+            request = _request(f"lapsed{n}", prompts[i])
+            _early(prefill, request)
+            tokens, chunks = _drive(decode, request, _plan(prefill))
+            assert tokens == expected[i] and chunks[0].prefilled_by
+        assert _wait(lambda: _idle(prefill) and _idle(decode), timeout=5)
+    finally:
+        for node in (prefill, decode):
+            node.channel.close()
+            node.server.stop(grace=1).wait()
+            node.service.close()
+
+
 def test_decode_first_computes_here_below_the_threshold_or_without_a_prefill_node(
         nodes, prompts, expected):  # noqa: ANN001
     prefill, decode = nodes
