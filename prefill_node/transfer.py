@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import torch
 
@@ -98,7 +99,8 @@ class Transfer:
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 try:
-                    self._push(self._wait_target())
+                    target = self._result(self._target, "sink did not come within its hold")
+                    self._push(target)
                 finally:
                     if stream is not None:  # the gathers have read the blocks
                         stream.synchronize()
@@ -106,12 +108,12 @@ class Transfer:
             error = exc
         self._on_end(error)
 
-    def _wait_target(self) -> Target:
+    def _result(self, future: Future[Any], missing: str) -> Any:
+        """`future`'s result by the deadline; TransferError("the prompt's `missing`")."""
         try:
-            return self._target.result(self._left())
+            return future.result(self._left())
         except FutureTimeout:
-            raise TransferError("no sink was attached to the prompt before its hold "
-                                "lapsed") from None
+            raise TransferError(f"the prompt's {missing}") from None
 
     def _push(self, target: Target) -> None:
         if self._staging is None:
@@ -137,16 +139,10 @@ class Transfer:
                 for _ in range(push.layout.num_layers):
                     push.send_layer(self._next_layer())
             trace.mark(rid, "push.layers_sent")
-            push.finish(self._sampled())
+            push.finish(self._result(self._first_token, "first token was not sampled "
+                                                      "before the sink expired"))
             trace.mark(rid, "push.done")
 
-    def _sampled(self) -> int:
-        """The first token, once the engine thread sampled it (as the layers land)."""
-        try:
-            return self._first_token.result(self._left())
-        except FutureTimeout:
-            raise TransferError("the prompt's first token was not sampled before the sink "
-                                "expired") from None
 
     def _next_layer(self) -> int:
         """The next computed layer, its compute ordered before the work this thread

@@ -86,10 +86,7 @@ def _node(model_path, role: str, num_blocks: int = 64, max_num_seqs: int = 64,  
 def nodes(model_path) -> Iterator[tuple[Node, Node]]:  # noqa: ANN001
     prefill, decode = _node(model_path, "prefill"), _node(model_path, "decode")
     yield prefill, decode
-    for node in (prefill, decode):
-        node.channel.close()
-        node.server.stop(grace=1).wait()
-        node.service.close()
+    _close(prefill, decode)
 
 
 def _request(rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> pb.Request:
@@ -325,10 +322,7 @@ def test_an_early_start_is_dropped_unattached_or_aborted_and_checked_when_attach
         decode.stub.Abort(pb.AbortRequest(request_id="other"), timeout=10)
         assert _wait(lambda: _idle(prefill) and _idle(decode), timeout=5)
     finally:
-        for node in (prefill, decode):
-            node.channel.close()
-            node.server.stop(grace=1).wait()
-            node.service.close()
+        _close(prefill, decode)
 
 
 def test_a_sink_that_comes_after_the_early_start_lapsed_is_served(model_path, prompts,
@@ -345,10 +339,7 @@ def test_a_sink_that_comes_after_the_early_start_lapsed_is_served(model_path, pr
             assert tokens == expected[i] and chunks[0].prefilled_by
         assert _wait(lambda: _idle(prefill) and _idle(decode), timeout=5)
     finally:
-        for node in (prefill, decode):
-            node.channel.close()
-            node.server.stop(grace=1).wait()
-            node.service.close()
+        _close(prefill, decode)
 
 
 def test_decode_first_computes_here_below_the_threshold_or_without_a_prefill_node(
