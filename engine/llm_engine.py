@@ -12,8 +12,9 @@ layer by layer wait for the previous step first and run as before."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -23,7 +24,7 @@ from tandem.engine.attention import make_backend
 from tandem.engine.block_hash import root_hash
 from tandem.engine.block_pool import BlockPool, EventHook
 from tandem.engine.config import EngineConfig
-from tandem.engine.cuda_graphs import DecodeGraphs
+from tandem.engine.cuda_graphs import capture_graphs
 from tandem.engine.host_tier import HostTier, block_bytes
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.loader import load_model_config, load_tokenizer, load_weights, resolve_model
@@ -82,7 +83,9 @@ class LLMEngine:
         backend = config.attention_backend
         attention = make_backend(backend, device, config.cache.block_size, mc.num_kv_heads)
         self.attention_backend = attention.name
-        with torch.device(device):
+        # Built in its dtype: built in fp32 and cast, it held twice its bf16 weights at
+        # once, and nodes loading side by side on one device ran out of memory.
+        with torch.device(device), _default_dtype(config.dtype):
             ops = ops_for(attention.name, device)
             model = model_class(mc.architecture)(mc, attention, ops).to(config.dtype)
         if src.kind == "dummy":
@@ -120,19 +123,16 @@ class LLMEngine:
             self.host_tier = HostTier(max(1, cache.host_kv_bytes // per_block),
                                       self.runner.kv_caches)
             kv.attach_host_tier(self.host_tier)
-        # Decode-only steps replay CUDA graphs; they need a backend whose per-layer work
-        # reads only tensors (triton), a model whose work does not depend on the values
-        # (the experts' reference does), and cost memory and start-up time.
+        # Decode-only and one-prompt steps replay CUDA graphs; they need a backend whose
+        # per-layer work reads only tensors (triton), a model whose work does not depend
+        # on the values (the experts' reference does), and cost memory and start-up time.
         self.cuda_graphs = (
             device.type == "cuda" and attention.name == "triton" and not config.enforce_eager
             and not model.data_dependent
         )
         if self.cuda_graphs:
-            graphs = DecodeGraphs(
-                self.runner, min(sched.max_num_seqs, sched.max_num_batched_tokens)
-            )
-            graphs.capture()
-            self.runner.graphs = graphs
+            capture_graphs(self.runner, min(sched.max_num_seqs, sched.max_num_batched_tokens),
+                           sched.max_num_batched_tokens)
         self.async_scheduling = (
             device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
         )
@@ -151,8 +151,10 @@ class LLMEngine:
         self._reserved: dict[str, Request] = {}
         # Prefill role: called with a request just before the step that completes its
         # prompt; returns a callback run as each layer's KV is written in that step (a
-        # KV push), or None. Must not raise.
+        # KV push), or None. Must not raise. Not `prefill_layerwise`: the callbacks want
+        # only the last layer, so the step may replay a CUDA graph and call them after it.
         self.prefill_hook: Callable[[Request], Callable[[int], None] | None] | None = None
+        self.prefill_layerwise = True
 
     # --- requests -------------------------------------------------------------------
 
@@ -306,9 +308,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         on_layer = self._layer_callback(batch) if batch.requests else None
         sampling = batch.sampling_requests()  # before postprocess advances the counts
-        if (self.async_scheduling and batch.requests and on_layer is None
+        if (self.async_scheduling and batch.requests
+                and (on_layer is None or not self.prefill_layerwise)
                 and all(on_device(r) for r in sampling)):
-            return self._step_ahead(batch, sampling)
+            return self._step_ahead(batch, sampling, on_layer)
         outputs = self._land()
         if outputs:  # requests that stopped at the landed step leave this one
             batch = batch.without_finished()
@@ -316,14 +319,17 @@ class LLMEngine:
         if not batch.requests:
             return outputs
         self._count_prompt_tokens(batch)
-        sampled = self.runner.run(batch, sampling, on_layer)
+        sampled = self.runner.run(batch, sampling, on_layer, self.prefill_layerwise)
         self.scheduler.postprocess(batch)
         return outputs + self._append(sampling, sampled)
 
-    def _step_ahead(self, batch: ScheduledBatch, sampling: list[Request]) -> list[RequestOutput]:
-        """Launch this step, then read and postprocess the previous one while it runs."""
+    def _step_ahead(self, batch: ScheduledBatch, sampling: list[Request],
+                    on_layer: Callable[[int], None] | None) -> list[RequestOutput]:
+        """Launch this step, then read and postprocess the previous one while it runs.
+        A prefill hook's callbacks (not layerwise) run as the step is launched; the
+        prompts' first tokens come when it lands."""
         self._count_prompt_tokens(batch)
-        launched = _Launched(sampling, self.runner.launch(batch, sampling))
+        launched = _Launched(sampling, self.runner.launch(batch, sampling, on_layer))
         for req in sampling:
             req.output_token_ids.append(PENDING_TOKEN)
         outputs = self._land()
@@ -492,3 +498,13 @@ def run_to_completion(
                     done[out.request_id] = out
                     bar.update(1)
     return done
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)

@@ -8,7 +8,8 @@ Allocated once, updated in place:
   the blocks it gained since its last step are written into it; row 0 is all null;
 - one host buffer (pinned on CUDA) and its device twin holding every per-step input
   (`StepLayout`): one host→device copy per step.
-Decode-only steps replay a CUDA graph (`cuda_graphs.py`) where one is captured.
+Decode-only steps, and steps that compute one prompt's tokens, replay a CUDA graph
+(`cuda_graphs.py`) where one is captured.
 
 `launch` starts a step without waiting for it (async scheduling): its tokens stay on the
 device, and the next step's inputs take them from there (`carry_*`), so the host
@@ -176,7 +177,9 @@ class ModelRunner:
         self.buffer = self.host if self.device.type == "cpu" else torch.zeros(cap, **i32)
         # The last upload has left the host buffer (set on CUDA after each copy).
         self._uploaded: torch.cuda.Event | None = None
-        self.graphs = None  # cuda_graphs.DecodeGraphs, set by the engine after capture
+        # cuda_graphs.DecodeGraphs and PrefillGraphs, set by capture_graphs.
+        self.graphs = None
+        self.prefill_graphs = None
         # The last launched step's tokens on the device, the row of each request among
         # them, and two host buffers they are copied to in turn (a step is read back
         # while the next one's copy may already be queued).
@@ -229,20 +232,25 @@ class ModelRunner:
         batch: ScheduledBatch,
         sampling: list[Request],
         on_layer: Callable[[int], None] | None = None,
+        layerwise: bool = True,
     ) -> SamplerOutput:
         """`sampling`: `batch.sampling_requests()`, before the step advances any count.
-        `on_layer(i)`: called once layer i's KV is written (see LlamaForCausalLM)."""
-        logits = self._forward(batch, sampling, on_layer)
+        `on_layer(i)`: called once layer i's KV is written (see LlamaForCausalLM); if not
+        `layerwise`, it may be called for every layer once the last is written (after a
+        graph's replay)."""
+        logits = self._forward(batch, sampling, on_layer, layerwise)
         if logits is None:
             return SamplerOutput([], [])
         return self.sampler(logits, sampling)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, sampling: list[Request]) -> SampledTokens:
+    def launch(self, batch: ScheduledBatch, sampling: list[Request],
+               on_layer: Callable[[int], None] | None = None) -> SampledTokens:
         """Queue the step and return at once; every request in `sampling` must sample
         `on_device`. The next step may use its tokens before the host has read them:
-        a request whose newest token is PENDING_TOKEN gets it from this step."""
-        logits = self._forward(batch, sampling, None)
+        a request whose newest token is PENDING_TOKEN gets it from this step.
+        `on_layer`: as `run`'s, not layerwise."""
+        logits = self._forward(batch, sampling, on_layer, False)
         n = len(sampling)
         host = self._sampled_host[self._turn][:n]
         self._turn ^= 1
@@ -261,9 +269,20 @@ class ModelRunner:
         batch: ScheduledBatch,
         sampling: list[Request],
         on_layer: Callable[[int], None] | None,
+        layerwise: bool,
     ) -> torch.Tensor | None:
         """The logits of the sampling rows, [len(sampling), V]; None if none sample."""
         n = len(batch.requests)
+        if self.prefill_graphs is not None and n == 1 < batch.num_tokens and not (
+                on_layer is not None and layerwise):
+            bucket = self.prefill_graphs.bucket(batch.num_tokens)
+            if bucket is not None:
+                self._upload(self._pack(batch, pad_to=1, prefill_to=bucket)[0])
+                logits = self.prefill_graphs.replay(bucket)  # [2, V]: the request's first
+                if on_layer is not None:
+                    for i in range(self.model.config.num_layers):
+                        on_layer(i)
+                return logits[:1] if sampling else None
         bucket = None
         decode_only = batch.num_tokens == n == len(sampling)
         if self.graphs is not None and on_layer is None and decode_only:
@@ -285,10 +304,13 @@ class ModelRunner:
             hidden = hidden[views["logits_rows"]]
         return self.model.compute_logits(hidden)
 
-    def _pack(self, batch: ScheduledBatch, pad_to: int) -> tuple[StepLayout, int]:
+    def _pack(self, batch: ScheduledBatch, pad_to: int,
+              prefill_to: int = 0) -> tuple[StepLayout, int]:
         """Write the step's inputs into the host buffer; rows past the batch, up to
-        `pad_to`, are padding (a decode graph's bucket). Returns the layout and the
-        longest context."""
+        `pad_to`, are padding (a decode graph's bucket). `prefill_to` (a prefill graph's
+        bucket, for a step of one request): the tokens past the request's, up to it, are
+        a padding sequence on the null row, and both sequences' last tokens get logits.
+        Returns the layout and the longest context."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -332,6 +354,15 @@ class ModelRunner:
             query_start.append(query_start[-1] + 1)
             rows.append(NULL_ROW)
             logits_rows.append(query_start[-1] - 1)
+        if prefill_to:
+            pad = prefill_to - len(ids)
+            ids += [0] * pad
+            pos += range(pad)
+            slots += [self.null_block * bs] * pad
+            seq_lens.append(pad)
+            query_start.append(prefill_to)
+            rows.append(NULL_ROW)
+            logits_rows = [query_start[1] - 1, prefill_to - 1]
         if len(updates) > self._update_capacity:
             self._write_updates(updates[self._update_capacity :])
             updates = updates[: self._update_capacity]

@@ -140,6 +140,7 @@ class PrefillRole:
         self._staging = (threading.BoundedSemaphore(MAX_STAGED_PUSHES)
                          if on_cuda and not self._whole else None)
         loop.engine.prefill_hook = self._hook
+        loop.engine.prefill_layerwise = not self._whole
 
     async def run(self, req: Request, sink: SinkInfo, first_block: int,
                   timeout_s: float = 120.0) -> PrefillResult:
@@ -335,8 +336,7 @@ class PrefillRole:
             pending.transfer = transfer
             self._live.add(transfer)
         pool.acquire(blocks)  # held until the transfer read them: see the module docstring
-        transfer.started = time.monotonic()
-        transfer.start()
+        transfer.started = time.monotonic()  # its thread starts with the first layer
         return transfer.layer_done
 
     def _on_output(self, rid: str, out: RequestOutput | BaseException) -> None:

@@ -55,16 +55,23 @@ class Transfer:
         self._last = whole - 1  # whole: the one layer handed over (-1: every layer)
         self._items: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kv-push", daemon=True)
+        self._start_lock = threading.Lock()
         self.started = 0.0  # time.monotonic(), set by the hook
 
     def start(self) -> None:
-        self._thread.start()
+        """The thread starts with the first layer handed over (or a cancellation): by
+        then the step's compute is launched, so neither its start nor its opening of
+        the push holds the GIL while the engine thread launches kernels."""
+        with self._start_lock:
+            if self._thread.ident is None:
+                self._thread.start()
 
     def layer_done(self, layer: int) -> None:
         """Engine thread, as layer `layer`'s KV is written (on CUDA: enqueued): hand it
         over. Never waits."""
         if layer < self._last:
             return
+        self.start()
         event = None
         if self._device.type == "cuda":
             event = torch.cuda.Event()
@@ -80,12 +87,14 @@ class Transfer:
         """Any thread: give up with `error` at the next thing the push waits for (its
         target, a layer, the first token)."""
         self._items.put(error)
+        self.start()  # so that it ends, with the error
         for future in (self._first_token, self._target):
             with contextlib.suppress(InvalidStateError):
                 future.set_exception(error)
 
     def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
 
     # -- on the transfer thread --------------------------------------------------------------
 

@@ -1,11 +1,13 @@
 """On a CUDA machine: the GPU engine (the triton backend with CUDA graphs, the default on
 CUDA) matches Hugging Face token for token in fp32 (TF32 off) on the same 20 prompts as
 the CPU test, alone and as one batch; in bf16 the triton and torch backends agree on the
-greedy token at >= 99% of 2,000 decode steps. Skipped without CUDA."""
+greedy token at >= 99% of 2,000 decode steps; prefill graphs give the eager tokens. Skipped
+without CUDA."""
 
 from __future__ import annotations
 
 import gc
+import random
 
 import pytest
 import torch
@@ -115,3 +117,25 @@ def test_bf16_triton_agrees_with_torch() -> None:
           f"there the torch backend ranks the triton token below its own by "
           f"{sorted(round(-short[i], 4) for i in differ)} (logits)")
     assert len(differ) <= 20, f"{len(differ)}/2000 differ"
+
+
+def test_prefill_graphs_give_the_eager_tokens() -> None:
+    """fp32 (TF32 off), the tiny shape: prompts one at a time, of lengths across the
+    prefill graphs' buckets, two chunked past max_num_batched_tokens, replay a prefill
+    graph at every prompt step and give the tokens of an engine without graphs."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(10, 500) for _ in range(n)]
+               for n in (2, 15, 16, 17, 40, 100, 255, 300, 600)]
+    kwargs = {"load_format": "dummy", "device": "cuda", "dtype": "float32",
+              "max_num_batched_tokens": 256, "max_num_seqs": 8}
+    eager = LLM("tiny", enforce_eager=True, **kwargs)
+    expected = [eager.generate(p, GREEDY)[0].token_ids for p in prompts]
+    del eager
+    llm = LLM("tiny", **kwargs)
+    graphs = llm.engine.runner.prefill_graphs
+    assert graphs.sizes == [16, 32, 64, 128, 256]
+    replayed: list[int] = []
+    replay = graphs.replay
+    graphs.replay = lambda bucket: replayed.append(bucket) or replay(bucket)
+    assert [llm.generate(p, GREEDY)[0].token_ids for p in prompts] == expected
+    assert replayed == [16, 16, 16, 32, 64, 128, 256, 256, 64, 256, 256, 128]

@@ -1,6 +1,7 @@
 """The model runner's persistent state: table rows follow requests (released at the end,
-grown when more requests hold one than max_num_seqs), and the CPU's packed
-small-batch GEMMs compute what torch's GEMM does."""
+grown when more requests hold one than max_num_seqs); steps laid out as the CUDA graphs'
+buckets compute what plain steps do; and the CPU's packed small-batch GEMMs compute what
+torch's GEMM does."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine.cpu_linear import linear, mkl_rows
+from tandem.engine.cuda_graphs import capture_graphs, prefill_sizes
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -58,6 +60,37 @@ def test_rows_grow_when_more_requests_hold_one_than_max_num_seqs() -> None:
     for r in reqs:
         runner.release(r.request_id)
     assert sorted(runner._free_rows) == [1, 2, 3]
+
+
+def test_prefill_graph_sizes() -> None:
+    assert prefill_sizes(64) == [16, 32, 64]
+    assert prefill_sizes(700) == [16, 32, 64, 128, 256, 384, 512, 640, 700]
+    assert prefill_sizes(8192)[-3:] == [1792, 1920, 2048]
+    assert prefill_sizes(1) == []
+
+
+def test_steps_laid_out_as_the_graphs_buckets_give_the_plain_steps_tokens() -> None:
+    """On the CPU the graphs' forwards run eagerly: the very work a CUDA graph replays,
+    padded to its bucket. Prompts one at a time, of lengths across the buckets, two of
+    them chunked past max_num_batched_tokens (a chunk after a computed prefix), then all
+    of them as one batch (decode graphs): the tokens of plain steps, every prompt step
+    through a prefill bucket."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(10, 500) for _ in range(n)]
+               for n in (2, 15, 16, 17, 40, 63, 64, 100, 130)]
+    kwargs = {"load_format": "dummy", "max_num_batched_tokens": 64, "max_num_seqs": 8}
+    plain = LLM("tiny", **kwargs)
+    expected = [plain.generate(p, GREEDY)[0].token_ids for p in prompts]
+    expected_batch = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    llm = LLM("tiny", **kwargs)
+    runner = llm.engine.runner
+    capture_graphs(runner, max_batch=8, max_tokens=64, show_progress=False)
+    replayed: list[int] = []
+    replay = runner.prefill_graphs.replay
+    runner.prefill_graphs.replay = lambda bucket: replayed.append(bucket) or replay(bucket)
+    assert [llm.generate(p, GREEDY)[0].token_ids for p in prompts] == expected
+    assert replayed == [16, 16, 16, 32, 64, 64, 64, 64, 64, 64, 64, 16]
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected_batch
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 300])

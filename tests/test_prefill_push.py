@@ -72,7 +72,9 @@ class Decode:
 def _start_prefill(connector: Connector, secret: bytes | None = None,
                    num_blocks: int = NUM_BLOCKS, device: str = "cpu") -> Prefill:
     engine = LLMEngine(EngineConfig(
-        model="tiny", load_format="dummy", device=device, enforce_eager=True,
+        # Async scheduling (CUDA's default) on the CPU too: the ipc push's callbacks run
+        # as the step is launched, its first token comes as the step lands.
+        model="tiny", load_format="dummy", device=device, async_scheduling=True,
         cache=CacheConfig(BLOCK_SIZE, num_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=64)))
     loop = EngineLoop(engine)
