@@ -6,15 +6,17 @@ CUDA) so a prompt that meets them again copies them back instead of computing th
     slot = tier.lookup(block_hash, token_ids)  # a hit re-checks the tokens
     tier.load([slot], [block_id])              # into a device block, before the step
 
-Each layer's host tensor is slot-major, `[slots, 2, block_size, kv_heads, head_dim]`, so a
-slot is one contiguous piece of (pinned) memory that a block, gathered on the device,
-copies into with one asynchronous copy. `save` copies out the blocks about to be reused; a hash
-the tier holds already is only touched, so nothing is copied twice. The tier evicts its
-own least recently used slot when full. Copies run on the engine thread's current
-stream: on CUDA a save gathers the blocks on the device and copies each into its slot without
-blocking, ordered after the steps that wrote the blocks and before the step that reuses
-them (a load of a slot whose save may still be in flight waits for it); a load gathers
-on the host and lands in stream order. On the CPU both copy at once.
+A slot holds one block of every layer, contiguous: the host tensor is
+`[slots, layers, 2, block_size, kv_heads, head_dim]`, so a block moves in one copy of its
+whole KV (2 MiB at Llama-3-8B's shape) and a run of consecutive slots in one copy, at the
+link's rate rather than a small copy's. `save` gathers the blocks about to be reused on
+the device (one kernel when the layers are views of one tensor, as the runner's are) and
+copies them out; `load` copies slots into a device buffer and scatters it into the
+blocks. A hash the tier holds already is only touched, so nothing is copied twice; the
+tier evicts its own least recently used slot when full. On CUDA every copy is
+asynchronous on the engine thread's current stream, so a save lands after the steps that
+wrote its blocks and before the step that reuses them, and a load of a slot lands after
+its save; on the CPU both copy at once.
 """
 
 from __future__ import annotations
@@ -47,16 +49,17 @@ class HostTier:
         if num_blocks < 1:
             raise ValueError(f"the host tier needs at least one block, got {num_blocks}")
         self.kv_caches = list(kv_caches)
+        first = self.kv_caches[0]  # [2, device blocks, block_size, kv_heads, head_dim]
+        assert all(c.shape == first.shape and c.dtype == first.dtype for c in self.kv_caches)
         self.num_blocks = num_blocks
-        pin = self.kv_caches[0].device.type == "cuda"
-        self.host = [torch.empty((num_blocks, c.shape[0], *c.shape[2:]), dtype=c.dtype,
-                                 pin_memory=pin) for c in self.kv_caches]
+        self.device = first.device
+        self._layers = _one_tensor(self.kv_caches)
+        pin = self.device.type == "cuda"
+        self.host = torch.empty((num_blocks, len(self.kv_caches), 2, *first.shape[2:]),
+                                dtype=first.dtype, pin_memory=pin)
         # hash -> (slot, token ids), least recently used first.
         self._held: OrderedDict[BlockHash, tuple[int, tuple[int, ...]]] = OrderedDict()
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() takes slot 0 first
-        self._on_cuda = pin
-        self._in_flight: set[int] = set()  # slots whose save may not have landed
-        self._saved: torch.cuda.Event | None = None  # recorded after the last save
         self.blocks_saved = 0  # copies out, over the tier's life
         self.blocks_loaded = 0  # copies back
 
@@ -95,37 +98,63 @@ class HostTier:
             self._held[b.block_hash] = (slot, b.token_ids)
             ids.append(b.block_id)
             slots.append(slot)
-        if not ids:
-            return dropped
-        index = torch.tensor(ids, device=self.kv_caches[0].device)
-        for src, dst in zip(self.kv_caches, self.host):
-            blocks = src.index_select(1, index).transpose(0, 1)  # [n, 2, ...]
-            if not self._on_cuda:
-                dst.index_copy_(0, torch.tensor(slots), blocks)
-                continue
-            blocks = blocks.contiguous()
-            for j, slot in enumerate(slots):
-                dst[slot].copy_(blocks[j], non_blocking=True)
-        if self._on_cuda:
-            self._in_flight.update(slots)
-            self._saved = torch.cuda.Event()
-            self._saved.record()
-        self.blocks_saved += len(ids)
+        if ids:
+            staged = self._gather(self._index(ids))
+            for at, to, n in _runs(slots):
+                self.host[to:to + n].copy_(staged[at:at + n], non_blocking=True)
+            self.blocks_saved += len(ids)
         return dropped
 
     def load(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         """Copy host slots back into device blocks (which the caller owns)."""
         if not slots:
             return
-        if self._saved is not None and self._in_flight:
-            if self._saved.query():  # every save so far has landed
-                self._in_flight.clear()
-            elif self._in_flight.intersection(slots):
-                self._saved.synchronize()  # saved this step, not yet on the host
-                self._in_flight.clear()
-        slots_t = torch.tensor(list(slots))
-        index = torch.tensor(list(block_ids), device=self.kv_caches[0].device)
-        for src, dst in zip(self.host, self.kv_caches):
-            blocks = src.index_select(0, slots_t).to(dst.device)  # [n, 2, ...]
-            dst.index_copy_(1, index, blocks.transpose(0, 1))
+        staged = torch.empty((len(slots), *self.host.shape[1:]), dtype=self.host.dtype,
+                             device=self.device)
+        for at, start, n in _runs(slots):
+            staged[at:at + n].copy_(self.host[start:start + n], non_blocking=True)
+        self._scatter(self._index(block_ids), staged)
         self.blocks_loaded += len(slots)
+
+    def _index(self, ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(ids), dtype=torch.int64, device=self.device)
+
+    def _gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """Device blocks `ids` of every layer: [n, layers, 2, block_size, H, D], contiguous."""
+        if self._layers is not None:  # one kernel, writing the blocks in slot order
+            return self._layers.permute(2, 0, 1, 3, 4, 5).index_select(0, ids)
+        blocks = torch.stack([c.index_select(1, ids) for c in self.kv_caches])
+        return blocks.permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    def _scatter(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        """`blocks` ([n, layers, 2, ...]) into device blocks `ids` of every layer."""
+        if self._layers is not None:
+            self._layers.permute(2, 0, 1, 3, 4, 5).index_copy_(0, ids, blocks)
+            return
+        for layer, cache in enumerate(self.kv_caches):
+            cache.index_copy_(1, ids, blocks[:, layer].transpose(0, 1))
+
+
+def _one_tensor(caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """The layers as one `[layers, 2, blocks, ...]` tensor when they are its slices in
+    order (the runner's caches), so a gather or scatter is one kernel; else None."""
+    base = caches[0]._base
+    if base is None or base.dim() != caches[0].dim() + 1 or base.shape[0] != len(caches):
+        return None
+    if not all(c._base is base and c.data_ptr() == base[i].data_ptr()
+               for i, c in enumerate(caches)):
+        return None
+    return base
+
+
+def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive slots: (index of the run's first in `slots`, its first slot,
+    its length)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and slot == runs[-1][1] + runs[-1][2]:
+            at, start, n = runs[-1]
+            runs[-1] = (at, start, n + 1)
+        else:
+            runs.append((i, slot, 1))
+    return runs

@@ -48,12 +48,17 @@ def test_without_a_host_tier_the_same_prompts_are_computed_again() -> None:
     assert llm.engine.host_tier is None and llm.engine.num_prompt_tokens_cached == 0
 
 
-def _caches(num_blocks: int = 4) -> list[torch.Tensor]:
-    return [torch.randn(2, num_blocks, 2, 1, 3) for _ in range(3)]  # 3 layers, block of 2
+def _caches(num_blocks: int = 4, one_tensor: bool = False) -> list[torch.Tensor]:
+    # 3 layers, blocks of 2 tokens; one_tensor: the layers are views of one (the runner's)
+    if one_tensor:
+        return list(torch.randn(3, 2, num_blocks, 2, 1, 3).unbind(0))
+    return [torch.randn(2, num_blocks, 2, 1, 3) for _ in range(3)]
 
 
-def test_the_tier_evicts_its_least_recently_used_block_and_rechecks_tokens() -> None:
-    caches = _caches()
+@pytest.mark.parametrize("one_tensor", [False, True])
+def test_the_tier_evicts_its_least_recently_used_block_and_rechecks_tokens(
+        one_tensor: bool) -> None:
+    caches = _caches(one_tensor=one_tensor)
     tier = HostTier(2, caches)
     a, b, c = (BlockHash(i.to_bytes(16, "little")) for i in (1, 2, 3))
     tier.save([Evicted(0, a, (1, 2)), Evicted(1, b, (3, 4))])
@@ -67,6 +72,7 @@ def test_the_tier_evicts_its_least_recently_used_block_and_rechecks_tokens() -> 
     for layer, old in zip(caches, before):
         assert torch.equal(layer[:, 3], layer[:, 2]) and not torch.equal(layer[:, 3], old)
     assert tier.blocks_saved == 3 and tier.blocks_loaded == 1
+    assert (tier._layers is not None) is one_tensor
 
 
 def test_a_host_tier_needs_a_block() -> None:
