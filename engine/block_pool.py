@@ -6,8 +6,9 @@ Invariants:
 - the free queue pops least-recently-freed first, so cached blocks are evicted LRU.
 Events go to the `on_event` hook; the pool itself knows nothing of who listens. A cached
 block about to be reused goes to the `on_reuse` hook first (the host tier copies it out);
-with one, the node still holds what leaves the device, so "evicted" names instead what the
-hook says it dropped, unless the device holds it (again).
+with one, the node still holds what leaves the device: "offloaded" names what moved to
+the host, and "evicted" what the hook says it dropped, unless the device holds it (again).
+A block copied back from the host and cached is "stored" again.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class Block:
 
 @dataclass(frozen=True)
 class BlockEvent:
-    kind: str  # "stored" | "evicted"
+    kind: str  # "stored" (on the device) | "offloaded" (device -> host tier) | "evicted"
     block_hashes: tuple[BlockHash, ...]
 
 
@@ -78,10 +79,15 @@ class BlockPool:
             if reused:
                 dropped = self.on_reuse(reused)
         evicted = [h for b in blocks if (h := self._uncache(b)) is not None]
+        offloaded: list[BlockHash] = []
         if self.on_reuse is not None:  # what left the device is on the host
+            gone = set(dropped)
+            offloaded = [h for h in evicted if h not in gone and h not in self._cached]
             evicted = [h for h in dropped if h not in self._cached]
         for b in blocks:
             b.ref_cnt = 1
+        if offloaded:
+            self._emit("offloaded", offloaded)
         if evicted:
             self._emit("evicted", evicted)
         return blocks

@@ -225,13 +225,13 @@ class LLMEngine:
         self._reserved[req.request_id] = req
         return cached
 
-    def cached_block_hashes(self) -> list[bytes]:
-        """Every block hash this engine holds, on the device or in its host tier."""
+    def cached_block_hashes(self) -> tuple[list[bytes], list[bytes]]:
+        """Every block hash this engine holds: on the device, and only in its host tier."""
         device = self.block_pool.cached_hashes()
         if self.host_tier is None:
-            return device
+            return device, []
         held = set(device)
-        return device + [h for h in self.host_tier.hashes() if h not in held]
+        return device, [h for h in self.host_tier.hashes() if h not in held]
 
     def cached_prompt_tokens(self, req: Request) -> int:
         """How many of `req`'s prompt tokens the prefix cache holds now (nothing is

@@ -1,6 +1,7 @@
-"""A node's KV block events (the engine's block pool: stored, evicted), fanned out to the
-routers that follow them (`BlockEvents` streams, each with its own queue) and, given a
-shared index (`redis://...`), published there by a background thread. The engine's loop
+"""A node's KV block events (the engine's block pool: stored, offloaded, evicted), fanned
+out to the routers that follow them (`BlockEvents` streams, each with its own queue) and,
+given a shared index (`redis://...`), published there, with their tier, by a background
+thread. The engine's loop
 thread only enqueues: nothing here blocks a step."""
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class BlockEvents:
     def _publish(self) -> None:
         assert self.index is not None
         while (event := self._to_index.get()) is not None:
-            if event.kind == "stored":
-                self.index.publish(self.node_id, event.block_hashes)
-            else:
+            if event.kind == "evicted":
                 self.index.evict(self.node_id, event.block_hashes)
+            else:
+                tier = "host" if event.kind == "offloaded" else "device"
+                self.index.publish(self.node_id, event.block_hashes, tier)

@@ -339,19 +339,26 @@ class NodeService(pb_grpc.NodeServicer):
         def subscriber(event: BlockEvent) -> None:  # on the engine thread
             self.bridge.post(events.put_nowait, event)
 
-        def subscribe(e: LLMEngine) -> list[bytes]:  # on the loop: no event slips between
-            self.events.subscribe(subscriber)
+        def subscribe(e: LLMEngine) -> tuple[list[bytes], list[bytes]]:  # on the loop: no
+            self.events.subscribe(subscriber)  # event slips between
             return e.cached_block_hashes()
 
         try:
-            yield pb.BlockEventBatch(snapshot=True, stored=await engine_call(self.loop, subscribe))
+            device, host = await engine_call(self.loop, subscribe)
+            yield pb.BlockEventBatch(snapshot=True, stored=device, offloaded=host)
+            held: BlockEvent | None = None  # taken from the queue, of the next batch
             while True:
-                batch = [await events.get()]
-                while not events.empty():
-                    batch.append(events.get_nowait())
-                yield pb.BlockEventBatch(
-                    stored=[h for ev in batch if ev.kind == "stored" for h in ev.block_hashes],
-                    evicted=[h for ev in batch if ev.kind != "stored" for h in ev.block_hashes])
+                # Queued events of one kind go as one batch; a batch never mixes kinds,
+                # so the follower applies them in order (a block may move and move back).
+                event, held = held or await events.get(), None
+                hashes = list(event.block_hashes)
+                while held is None and not events.empty():
+                    following = events.get_nowait()
+                    if following.kind == event.kind:
+                        hashes += following.block_hashes
+                    else:
+                        held = following
+                yield pb.BlockEventBatch(**{event.kind: hashes})
         finally:
             self.events.unsubscribe(subscriber)
 

@@ -2,8 +2,8 @@
 prompt each node has cached before a prefill node is picked.
 
 - `memory` (the default): held here and fed by every node's `BlockEvents` stream (a
-  snapshot, then each block stored or evicted); a node whose stream breaks is dropped
-  until it is back.
+  snapshot, then each block stored on the device, offloaded to the host tier, or
+  evicted, in order); a node whose stream breaks is dropped until it is back.
 - `redis://...`: shared by every router; the nodes publish to it themselves
   (`tandem node --index`), the router only looks up. Redis down: lookups find nothing
   and routing goes by load alone (the index never raises).
@@ -100,6 +100,8 @@ class RouterIndex:
                         self.index.drop(node.address)
                     if batch.stored:
                         self.index.publish(node.address, list(batch.stored))
+                    if batch.offloaded:  # (a snapshot: the blocks only in the host tier)
+                        self.index.publish(node.address, list(batch.offloaded), "host")
                     if batch.evicted:
                         self.index.evict(node.address, list(batch.evicted))
             except grpc.aio.AioRpcError as exc:

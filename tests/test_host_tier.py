@@ -175,7 +175,73 @@ def test_the_index_hears_of_a_block_leaving_the_node_only_when_the_tier_drops_it
     a = run("a", [1, 2, 3])  # [1 2] stored
     b = run("b", [5, 6, 7])  # reuses [1 2]'s block: to the host tier, not evicted
     assert [(e.kind, e.block_hashes) for e in events] == [
-        ("stored", (a.block_hashes[0],)), ("stored", (b.block_hashes[0],))]
+        ("stored", (a.block_hashes[0],)), ("offloaded", (a.block_hashes[0],)),
+        ("stored", (b.block_hashes[0],))]
     run("c", [8, 9, 4])  # [5 6] to the host; the one-slot tier drops [1 2]
-    assert [(e.kind, e.block_hashes) for e in events[2:]] == [
-        ("evicted", (a.block_hashes[0],)), ("stored", (events[-1].block_hashes[0],))]
+    assert [(e.kind, e.block_hashes) for e in events[3:]] == [
+        ("offloaded", (b.block_hashes[0],)), ("evicted", (a.block_hashes[0],)),
+        ("stored", (events[-1].block_hashes[0],))]
+
+
+def test_a_nodes_block_events_carry_the_tier_in_order() -> None:
+    """A real node's `BlockEvents` stream (gRPC): blocks evicted from a small device cache
+    arrive as `offloaded` (the host tier holds them), a batch never mixes kinds, and a
+    new follower's snapshot puts each hash in the tier the engine holds it in."""
+    import threading
+
+    import grpc
+
+    from tandem.engine.config import CacheConfig, EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.node import convert
+    from tandem.node.grpc_server import serve
+    from tandem.node.server import NodeService
+    from tandem.protos import node_pb2 as pb
+    from tandem.protos import node_pb2_grpc as pb_grpc
+
+    engine = LLMEngine(EngineConfig(model="tiny", load_format="dummy", skip_tokenizer_init=True,
+                                    cache=CacheConfig(num_blocks=10, host_kv_bytes=1 << 20)))
+    service = NodeService(engine, "decode")
+    server, port = serve(service)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.NodeStub(channel)
+    batches: list[pb.BlockEventBatch] = []
+    follow = stub.BlockEvents(pb.BlockEventsRequest())
+    def read() -> None:
+        try:
+            batches.extend(follow)
+        except grpc.RpcError:  # cancelled at the end
+            pass
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        for i, prompt in enumerate(_prompts(6, 50, seed=3)):
+            request = pb.Request(request_id=f"r{i}", prompt_token_ids=prompt,
+                                 sampling=convert.sampling_to_pb(GREEDY))
+            list(stub.Generate(pb.GenerateRequest(request=request), timeout=60))
+        device, host = engine.cached_block_hashes()
+        assert host  # the device holds 10 blocks: most of the 18 prompt blocks left it
+        snapshot = next(iter(stub.BlockEvents(pb.BlockEventsRequest(), timeout=10)))
+        assert snapshot.snapshot and (list(snapshot.stored), list(snapshot.offloaded)) == (
+            device, host)
+    finally:
+        follow.cancel()
+        reader.join(timeout=10)
+        channel.close()
+        server.stop(grace=1).wait()
+        service.close()
+    kinds = [[k for k in ("stored", "offloaded", "evicted") if getattr(b, k)]
+             for b in batches[1:]]
+    assert all(len(k) == 1 for k in kinds), kinds
+    assert ["offloaded"] in kinds
+    # Replayed in order, the events leave each hash in the tier the engine holds it in.
+    tier: dict[bytes, str] = {h: "device" for h in batches[0].stored}
+    for b in batches[1:]:
+        for h in b.stored:
+            tier[h] = "device"
+        for h in b.offloaded:
+            tier[h] = "host"
+        for h in b.evicted:
+            tier.pop(h, None)
+    assert tier == {**{h: "host" for h in host}, **{h: "device" for h in device}}

@@ -11,6 +11,7 @@ from redis_server import RedisServer
 
 from tandem.engine.block_hash import hash_prompt, root_hash
 from tandem.kvtransfer.index import BlockIndex, get_index
+from tandem.kvtransfer.index.base import Held
 from tandem.kvtransfer.index.memory import MemoryIndex
 
 ROOT = root_hash("test-model", "float32", 4)
@@ -100,6 +101,23 @@ def test_writes_are_idempotent_and_unknowns_are_noops(index: BlockIndex):
     index.drop("a")
     index.drop("a")
     assert index.lookup(PROMPT) == {}
+
+
+def test_tiers_a_block_moves_between_and_the_device_run_leading_a_prefix(index: BlockIndex):
+    """A publish records the tier, replacing the last one; `lookup_tiers` gives each
+    node's leading run and how much of it leads on the device; `lookup` counts both."""
+    index.publish("a", PROMPT[:6])
+    index.publish("a", PROMPT[3:5], "host")  # blocks 3 and 4 moved to a's host tier
+    index.publish("b", PROMPT[:2], "host")
+    index.publish("b", PROMPT[2:4])  # device after host: the device run is 0
+    assert index.lookup_tiers(PROMPT) == {"a": Held(6, 3), "b": Held(4, 0)}
+    assert index.lookup(PROMPT) == {"a": 6, "b": 4}
+    index.publish("a", PROMPT[3:5])  # copied back to the device
+    assert index.lookup_tiers(PROMPT)["a"] == Held(6, 6)
+    index.evict("a", PROMPT[4:5])  # gone from every tier
+    assert index.lookup_tiers(PROMPT)["a"] == Held(4, 4)
+    with pytest.raises(ValueError, match="unknown tier"):
+        index.publish("a", PROMPT[:1], "disk")
 
 
 def test_concurrent_publishers(index: BlockIndex):

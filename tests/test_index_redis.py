@@ -71,7 +71,8 @@ def test_key_scheme_and_ttl(server: RedisServer):
     assert set(raw.keys("*")) == {*blocks, "tandem:test-model:node:a", "tandem:test-model:node:b"}
     assert raw.hgetall(blocks[0]).keys() == {"a", "b"}
     assert raw.hgetall(blocks[2]).keys() == {"a"}
-    assert abs(float(raw.hget(blocks[2], "a")) - time.time()) < 5
+    published, tier = raw.hget(blocks[2], "a").split()
+    assert abs(float(published) - time.time()) < 5 and tier == "device"
     assert raw.smembers("tandem:test-model:node:a") == {h.hex() for h in LONG[:3]}
     for key in raw.keys("*"):
         assert 0 < raw.ttl(key) <= 600

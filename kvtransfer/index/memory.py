@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable, Sequence
 
 from tandem.engine.block_hash import BlockHash
-from tandem.kvtransfer.index.base import BlockIndex
+from tandem.kvtransfer.index.base import BlockIndex, Held, check_tier
 
 
 class MemoryIndex(BlockIndex):
     def __init__(self) -> None:
-        self._holders: dict[BlockHash, dict[str, float]] = {}  # hash -> {node: published at}
+        self._holders: dict[BlockHash, dict[str, str]] = {}  # hash -> {node: tier}
         self._by_node: dict[str, set[BlockHash]] = {}  # node -> its hashes, so drop is O(own)
         self._lock = threading.Lock()
 
-    def publish(self, node: str, hashes: Sequence[BlockHash]) -> None:
-        now = time.time()
+    def publish(self, node: str, hashes: Sequence[BlockHash], tier: str = "device") -> None:
+        check_tier(tier)
         with self._lock:
             for h in hashes:
-                self._holders.setdefault(h, {})[node] = now
+                self._holders.setdefault(h, {})[node] = tier
             self._by_node.setdefault(node, set()).update(hashes)
 
     def evict(self, node: str, hashes: Sequence[BlockHash]) -> None:
@@ -36,20 +35,23 @@ class MemoryIndex(BlockIndex):
         with self._lock:
             self._forget(node, self._by_node.pop(node, ()))
 
-    def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
+    def lookup_tiers(self, hashes: Sequence[BlockHash]) -> dict[str, Held]:
         matched: dict[str, int] = {}
+        on_device: dict[str, int] = {}  # nodes whose run has been on the device so far
         with self._lock:
             # Nodes still matching: a node leaves at its first missing hash, and once
             # none is left no longer prefix can match, so the walk stops.
             alive: set[str] | None = None
             for i, h in enumerate(hashes):
-                holders = self._holders.get(h, {}).keys()
-                alive = set(holders) if alive is None else alive & holders
+                holders = self._holders.get(h, {})
+                alive = set(holders) if alive is None else alive & holders.keys()
                 if not alive:
                     break
                 for node in alive:
                     matched[node] = i + 1
-        return matched
+                    if holders[node] == "device" and on_device.get(node, 0) == i:
+                        on_device[node] = i + 1
+        return {node: Held(n, on_device.get(node, 0)) for node, n in matched.items()}
 
     def close(self) -> None:
         pass  # nothing held outside this object

@@ -1,7 +1,8 @@
 """Shared index in Redis, so every router sees every node's blocks.
 
 Keys, namespaced by model so models sharing one Redis never see each other's blocks:
-  tandem:{model}:{hash_hex}     Redis hash: node -> publish time (unix seconds)
+  tandem:{model}:{hash_hex}     Redis hash: node -> "publish time (unix seconds) tier"
+                                (a time alone: on the device)
   tandem:{model}:node:{node}    Redis set: hash_hex of every block the node published
 Both carry a TTL refreshed on publish, so a node that vanishes without `drop` ages out.
 Fields older than the TTL are ignored by `lookup` as well, since a block key can be kept
@@ -27,7 +28,7 @@ from redis.client import Pipeline
 from redis.retry import Retry
 
 from tandem.engine.block_hash import BlockHash
-from tandem.kvtransfer.index.base import BlockIndex
+from tandem.kvtransfer.index.base import BlockIndex, Held, check_tier
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +79,15 @@ class RedisIndex(BlockIndex):
     def node_key(self, node: str) -> str:
         return f"{self._prefix}node:{node}"
 
-    def publish(self, node: str, hashes: Sequence[BlockHash]) -> None:
+    def publish(self, node: str, hashes: Sequence[BlockHash], tier: str = "device") -> None:
+        check_tier(tier)
         if not hashes:
             return
-        now = time.time()
+        value = f"{time.time()} {tier}"
 
         def fill(pipe: Pipeline) -> None:
             for h in hashes:
-                pipe.hset(self.block_key(h), node, now)
+                pipe.hset(self.block_key(h), node, value)
                 pipe.expire(self.block_key(h), self.ttl_s)
             pipe.sadd(self.node_key(node), *(h.hex() for h in hashes))
             pipe.expire(self.node_key(node), self.ttl_s)
@@ -117,14 +119,17 @@ class RedisIndex(BlockIndex):
                 self._count_dropped_write()  # what is left ages out with the TTL
                 return
 
-    def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
+    def lookup_tiers(self, hashes: Sequence[BlockHash]) -> dict[str, Held]:
         matched: dict[str, int] = {}
+        on_device: dict[str, int] = {}  # nodes whose run has been on the device so far
         alive: set[str] | None = None  # nodes whose prefix has not ended yet
         fresh_after = time.time() - self.ttl_s
         # Chunked so a short match costs one round trip instead of len(hashes) lookups:
         # once no node holds hash i, no longer prefix can match and later chunks are
         # never sent.
         for start in range(0, len(hashes), self.lookup_chunk):
+            if alive is not None and not alive:
+                break
             chunk = hashes[start : start + self.lookup_chunk]
             rows = self._pipeline("lookup", lambda pipe, c=chunk: self._fill_lookup(pipe, c))
             if rows is None:
@@ -134,13 +139,16 @@ class RedisIndex(BlockIndex):
             with self._lock:
                 self.hashes_queried += len(chunk)
             for i, row in enumerate(rows, start):
-                holders = {node for node, ts in row.items() if float(ts) > fresh_after}
-                alive = holders if alive is None else alive & holders
+                holders = {node: tier for node, (ts, tier) in map(_parse, row.items())
+                           if ts > fresh_after}
+                alive = set(holders) if alive is None else alive & holders.keys()
                 if not alive:
-                    return matched
+                    break
                 for node in alive:
                     matched[node] = i + 1
-        return matched
+                    if holders[node] == "device" and on_device.get(node, 0) == i:
+                        on_device[node] = i + 1
+        return {node: Held(n, on_device.get(node, 0)) for node, n in matched.items()}
 
     def close(self) -> None:
         self._client.close()
@@ -205,3 +213,10 @@ class RedisIndex(BlockIndex):
             self._last_warning = float("-inf")  # warn at once if it goes down again
         if recovered:
             log.info("block index: Redis at %s is back", self._where)
+
+
+def _parse(item: tuple[str, str]) -> tuple[str, tuple[float, str]]:
+    """A block key's field: node -> (publish time, tier)."""
+    node, value = item
+    ts, _, tier = value.partition(" ")
+    return node, (float(ts), tier or "device")
