@@ -21,6 +21,7 @@ its save; on the CPU both copy at once.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,6 +63,11 @@ class HostTier:
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() takes slot 0 first
         self.blocks_saved = 0  # copies out, over the tier's life
         self.blocks_loaded = 0  # copies back
+        # Measured loads (their rate prices a host hit against computing the tokens):
+        # blocks and seconds of the loads known to have ended; on CUDA, the events
+        # around each load still in flight.
+        self.timed_blocks, self.timed_seconds = 0, 0.0
+        self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
 
     @property
     def num_used(self) -> int:
@@ -106,15 +112,36 @@ class HostTier:
         return dropped
 
     def load(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
-        """Copy host slots back into device blocks (which the caller owns)."""
+        """Copy host slots back into device blocks (which the caller owns), timed."""
         if not slots:
             return
+        began, started = time.perf_counter(), self._event()
         staged = torch.empty((len(slots), *self.host.shape[1:]), dtype=self.host.dtype,
                              device=self.device)
-        for at, start, n in _runs(slots):
-            staged[at:at + n].copy_(self.host[start:start + n], non_blocking=True)
+        for at, first, n in _runs(slots):
+            staged[at:at + n].copy_(self.host[first:first + n], non_blocking=True)
         self._scatter(self._index(block_ids), staged)
         self.blocks_loaded += len(slots)
+        if started is None:
+            self.timed_blocks += len(slots)
+            self.timed_seconds += time.perf_counter() - began
+        else:
+            self._timing.append((started, self._event(), len(slots)))
+        self.settle()
+
+    def settle(self) -> None:
+        """Count the timed loads that have ended (never waits)."""
+        while self._timing and self._timing[0][1].query():
+            start, end, blocks = self._timing.pop(0)
+            self.timed_blocks += blocks
+            self.timed_seconds += start.elapsed_time(end) / 1e3
+
+    def _event(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _index(self, ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(ids), dtype=torch.int64, device=self.device)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -69,6 +70,8 @@ class _Launched:
 
     requests: list[Request]
     tokens: SampledTokens
+    prompt_tokens: int  # computed in the step
+    began: float  # time.perf_counter() at its launch
 
 
 class LLMEngine:
@@ -147,6 +150,8 @@ class LLMEngine:
         self.num_prompt_tokens_cached = 0
         self.num_prompt_tokens_cached_host = 0  # of those, copied back from the host tier
         self.num_generation_tokens = 0
+        self.prompt_tokens_timed = 0  # prompt tokens of the steps timed below
+        self.prompt_step_seconds = 0.0
         # Decode role: requests holding their prompt's blocks, waiting for its KV.
         self._reserved: dict[str, Request] = {}
         # Prefill role: called with a request just before the step that completes its
@@ -318,8 +323,10 @@ class LLMEngine:
             sampling = batch.sampling_requests()
         if not batch.requests:
             return outputs
-        self._count_prompt_tokens(batch)
+        began = time.perf_counter()
+        computed = self._count_prompt_tokens(batch)
         sampled = self.runner.run(batch, sampling, on_layer, self.prefill_layerwise)
+        self._timed(computed, began)  # run() waits for the step's tokens
         self.scheduler.postprocess(batch)
         return outputs + self._append(sampling, sampled)
 
@@ -328,8 +335,10 @@ class LLMEngine:
         """Launch this step, then read and postprocess the previous one while it runs.
         A prefill hook's callbacks (not layerwise) run as the step is launched; the
         prompts' first tokens come when it lands."""
-        self._count_prompt_tokens(batch)
-        launched = _Launched(sampling, self.runner.launch(batch, sampling, on_layer))
+        began = time.perf_counter()
+        computed = self._count_prompt_tokens(batch)
+        launched = _Launched(sampling, self.runner.launch(batch, sampling, on_layer),
+                             computed, began)
         for req in sampling:
             req.output_token_ids.append(PENDING_TOKEN)
         outputs = self._land()
@@ -343,7 +352,9 @@ class LLMEngine:
         if launched is None:
             return []
         outputs = []
-        for req, token in zip(launched.requests, launched.tokens.result()):
+        tokens = launched.tokens.result()
+        self._timed(launched.prompt_tokens, launched.began)
+        for req, token in zip(launched.requests, tokens):
             if req.is_finished:
                 continue  # aborted, or stopped, since the launch
             out = req.output_token_ids
@@ -354,12 +365,22 @@ class LLMEngine:
                 out.append(PENDING_TOKEN)
         return outputs
 
-    def _count_prompt_tokens(self, batch: ScheduledBatch) -> None:
+    def _count_prompt_tokens(self, batch: ScheduledBatch) -> int:
+        """The prompt tokens the step computes, counted."""
         if batch.num_tokens == len(batch.requests):  # a decode computes no prompt token
-            return
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            start = req.num_computed_tokens
-            self.num_prompt_tokens_computed += max(0, min(start + n, req.num_prompt_tokens) - start)
+            return 0
+        computed = sum(max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
+                              - req.num_computed_tokens)
+                       for req, n in zip(batch.requests, batch.num_new_tokens))
+        self.num_prompt_tokens_computed += computed
+        return computed
+
+    def _timed(self, prompt_tokens: int, began: float) -> None:
+        """A step that computed prompt tokens ended: its time since `began` (its launch)
+        prices a computed token against one found in a tier (mixed steps overcharge)."""
+        if prompt_tokens:
+            self.prompt_tokens_timed += prompt_tokens
+            self.prompt_step_seconds += time.perf_counter() - began
 
     def _layer_callback(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
         """The prefill hook's callbacks for the requests whose prompt this step completes."""

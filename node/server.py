@@ -305,6 +305,10 @@ class NodeService(pb_grpc.NodeServicer):
             prompt_tokens_cached_host=e.num_prompt_tokens_cached_host,
             kv_host_blocks_total=e.host_tier.num_blocks if e.host_tier else 0,
             kv_host_blocks_used=e.host_tier.num_used if e.host_tier else 0,
+            prompt_tokens_timed=e.prompt_tokens_timed,
+            prompt_step_seconds=e.prompt_step_seconds,
+            host_blocks_timed=e.host_tier.timed_blocks if e.host_tier else 0,
+            host_load_seconds=e.host_tier.timed_seconds if e.host_tier else 0.0,
         )
 
     @_rpc

@@ -142,7 +142,8 @@ class Flow:
         )
         finished = False
         queued_s = time.monotonic() - began  # in this router's queue
-        uncached = len(request.prompt_token_ids) - cached.get(decode.address, 0)
+        held = cached.get(decode.address)
+        uncached = len(request.prompt_token_ids) - (held.tokens if held else 0)
         early = prefill is not None and self._early(prefill, request, uncached, decode)
         if prefill is not None:
             prefill.in_flight += 1

@@ -24,7 +24,7 @@ from tandem.engine.block_hash import hash_prompt, root_hash
 from tandem.kvtransfer.index import get_index
 from tandem.kvtransfer.index.base import BlockIndex
 from tandem.protos import node_pb2 as pb
-from tandem.router.pool import NodeClient, Pool
+from tandem.router.pool import Cached, NodeClient, Pool
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,9 @@ class RouterIndex:
         if self.index is not None:
             await asyncio.to_thread(self.index.close)
 
-    async def cached_tokens(self, prompt: Sequence[int]) -> dict[str, int]:
-        """node address -> how many leading tokens of `prompt` it holds KV for."""
+    async def cached_tokens(self, prompt: Sequence[int]) -> dict[str, Cached]:
+        """node address -> how many leading tokens of `prompt` it holds KV for, and how
+        many of them lead on its device."""
         layout = self._layout()
         if self.index is None or layout is None:
             return {}
@@ -77,12 +78,14 @@ class RouterIndex:
         if not hashes:
             return {}
         if self.shared:
-            found = await asyncio.to_thread(self.index.lookup, hashes)
+            found = await asyncio.to_thread(self.index.lookup_tiers, hashes)
         else:
-            found = self.index.lookup(hashes)
+            found = self.index.lookup_tiers(hashes)
         self.lookups += 1
-        self.hit_blocks += max(found.values(), default=0)
-        return {node: blocks * layout.block_size for node, blocks in found.items()}
+        self.hit_blocks += max((held.blocks for held in found.values()), default=0)
+        bs = layout.block_size
+        return {node: Cached(held.blocks * bs, held.device_blocks * bs)
+                for node, held in found.items()}
 
     def _layout(self) -> pb.KVLayout | None:
         for node in self.pool.nodes:

@@ -43,6 +43,15 @@ OUTPUTS_RETRY_S = 1.0  # a closed Outputs stream is opened again this long after
 UP, DRAINING, DOWN = "up", "draining", "down"
 
 
+@dataclass(frozen=True)
+class Cached:
+    """A node's leading tokens of a prompt in its prefix cache, and of them the leading
+    ones on its device (the rest are in its host tier)."""
+
+    tokens: int
+    device_tokens: int
+
+
 class OutputsClosed:
     """Put in each waiting request's queue when its node's Outputs stream ends."""
 
@@ -170,6 +179,17 @@ class NodeClient:
     def queued_prefill_tokens(self) -> int:
         return self.stats.queued_prefill_tokens if self.stats else 0
 
+    def host_token_cost(self) -> float:
+        """What a prompt token copied back from its host tier costs here, in computed
+        tokens: its measured prefill rate over its measured host-tier rate; 0 (as good
+        as a device hit) until both are measured."""
+        s, h = self.stats, self.health
+        if s is None or h is None or not (s.prompt_step_seconds and s.host_load_seconds):
+            return 0.0
+        computed_per_s = s.prompt_tokens_timed / s.prompt_step_seconds
+        loaded_per_s = s.host_blocks_timed * h.layout.block_size / s.host_load_seconds
+        return computed_per_s / loaded_per_s
+
 
 class PoolListener(Protocol):
     def added(self, node: NodeClient) -> None: ...
@@ -283,17 +303,20 @@ class Pool:
             return min(up, key=NodeClient.load, default=None)
         return min(random.sample(up, 2), key=NodeClient.load)
 
-    def pick_prefill(self, num_tokens: int, cached: dict[str, int] | None = None,
+    def pick_prefill(self, num_tokens: int, cached: dict[str, Cached] | None = None,
                      token_weight: float = 1.0,
                      exclude: set[NodeClient] = frozenset()) -> NodeClient | None:
         """The healthy prefill node with the least work for a `num_tokens` prompt: the
         tokens it would compute (less what it holds of the prompt, `cached`, by
-        address) times `token_weight`, plus the prefill tokens queued there."""
+        address), and those it holds in its host tier at their measured cost
+        (`host_token_cost`), times `token_weight`, plus the prefill tokens queued there."""
         cached = cached or {}
 
         def cost(n: NodeClient) -> float:
-            uncached = num_tokens - cached.get(n.address, 0)
-            return uncached * token_weight + n.queued_prefill_tokens() + n.in_flight
+            held = cached.get(n.address, Cached(0, 0))
+            host = held.tokens - held.device_tokens
+            work = num_tokens - held.tokens + host * n.host_token_cost()
+            return work * token_weight + n.queued_prefill_tokens() + n.in_flight
 
         up = [n for n in self.prefill if n.healthy and n not in exclude]
         return min(up, key=lambda n: (cost(n), random.random()), default=None)  # ties: any

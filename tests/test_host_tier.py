@@ -186,7 +186,8 @@ def test_the_index_hears_of_a_block_leaving_the_node_only_when_the_tier_drops_it
 def test_a_nodes_block_events_carry_the_tier_in_order() -> None:
     """A real node's `BlockEvents` stream (gRPC): blocks evicted from a small device cache
     arrive as `offloaded` (the host tier holds them), a batch never mixes kinds, and a
-    new follower's snapshot puts each hash in the tier the engine holds it in."""
+    new follower's snapshot puts each hash in the tier the engine holds it in. Its Stats
+    report the measured prefill and host-tier rates."""
     import threading
 
     import grpc
@@ -216,10 +217,14 @@ def test_a_nodes_block_events_carry_the_tier_in_order() -> None:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        for i, prompt in enumerate(_prompts(6, 50, seed=3)):
+        for i, prompt in enumerate(_prompts(6, 50, seed=3) * 2):  # again: host hits
             request = pb.Request(request_id=f"r{i}", prompt_token_ids=prompt,
                                  sampling=convert.sampling_to_pb(GREEDY))
             list(stub.Generate(pb.GenerateRequest(request=request), timeout=60))
+        stats = stub.Stats(pb.StatsRequest(), timeout=10)  # the rates routing prices by
+        assert stats.prompt_tokens_timed == stats.prompt_tokens_computed > 0
+        assert stats.prompt_step_seconds > 0 and stats.host_load_seconds > 0
+        assert stats.host_blocks_timed == engine.host_tier.blocks_loaded > 0
         device, host = engine.cached_block_hashes()
         assert host  # the device holds 10 blocks: most of the 18 prompt blocks left it
         snapshot = next(iter(stub.BlockEvents(pb.BlockEventsRequest(), timeout=10)))

@@ -1,0 +1,39 @@
+"""The router's choice of prefill node prices what each node holds of a prompt: a device
+hit is free, a token in a node's host tier costs that node's measured prefill rate over
+its measured host-tier rate (in computed tokens), and until both are measured it counts
+as a device hit."""
+
+from __future__ import annotations
+
+from tandem.protos import node_pb2 as pb
+from tandem.router.pool import Cached, NodeClient, Pool
+
+
+def _up(node: NodeClient, **stats: float) -> None:
+    node.reachable = True
+    node.health = pb.HealthReply(role=pb.PREFILL, accepting=True, engine_alive=True,
+                                 layout=pb.KVLayout(block_size=16))
+    node.stats = pb.StatsReply(role=pb.PREFILL, **stats)
+
+
+def test_a_host_hit_costs_the_nodes_measured_rates() -> None:
+    pool = Pool(["a:1", "b:1"], [])
+    a, b = pool.prefill
+    # a holds 512 of the prompt's 1,024 tokens in its host tier; b 256 on its device.
+    cached = {"a:1": Cached(512, 0), "b:1": Cached(256, 256)}
+    _up(a)
+    _up(b)
+    assert a.host_token_cost() == 0.0  # not measured: as good as a device hit
+    assert pool.pick_prefill(1024, cached) is a  # 512 to compute against 768
+    # a computes 10,000 tokens/s and copies 1,600 back per second: a host token costs
+    # 6.25 computed ones: a costs 512 + 512 x 6.25 = 3,712 against b's 768.
+    _up(a, prompt_tokens_timed=10_000, prompt_step_seconds=1.0, host_blocks_timed=100,
+        host_load_seconds=1.0)
+    assert a.host_token_cost() == 6.25
+    assert pool.pick_prefill(1024, cached) is b
+    # A host tier 100x faster: a's 512 host tokens cost 32 computed ones.
+    _up(a, prompt_tokens_timed=10_000, prompt_step_seconds=1.0, host_blocks_timed=100,
+        host_load_seconds=0.01)
+    assert a.host_token_cost() == 0.0625
+    assert pool.pick_prefill(1024, cached) is a
+    assert pool.pick_prefill(1024, {}) in (a, b)  # nothing cached: load alone
