@@ -21,12 +21,14 @@ def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1, 500) for _ in range(length)] for _ in range(n)]
 
 
-def test_prompts_that_overflow_the_device_cache_come_back_from_the_host() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_prompts_that_overflow_the_device_cache_come_back_from_the_host(device: str) -> None:
     prompts = _prompts(6, 50)  # 3 full blocks each; 10 device blocks hold two requests
-    want = [o.token_ids for o in LLM("tiny", load_format="dummy", num_kv_blocks=64,
-                                     enable_prefix_caching=False).generate(prompts, GREEDY)]
-    llm = LLM("tiny", load_format="dummy", num_kv_blocks=10, host_kv_bytes=1 << 20,
-              max_num_seqs=2)
+    kwargs = {"load_format": "dummy", "device": device, "dtype": "float32"}
+    want = [o.token_ids for o in LLM("tiny", num_kv_blocks=64, enable_prefix_caching=False,
+                                     **kwargs).generate(prompts, GREEDY)]
+    llm = LLM("tiny", num_kv_blocks=10, host_kv_bytes=1 << 20, max_num_seqs=2, **kwargs)
     engine, tier = llm.engine, llm.engine.host_tier
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
     assert engine.num_prompt_tokens_cached_host == 0 and tier.blocks_saved > 0
@@ -38,6 +40,10 @@ def test_prompts_that_overflow_the_device_cache_come_back_from_the_host() -> Non
     # 18 distinct full blocks, each copied out once: one loaded back and evicted again
     # is in the tier already.
     assert tier.blocks_saved == 6 * 3
+    if device == "cuda":
+        torch.cuda.synchronize()
+    tier.settle()  # every load timed, on CUDA by its events
+    assert tier.timed_blocks == tier.blocks_loaded and tier.timed_seconds > 0
 
 
 def test_without_a_host_tier_the_same_prompts_are_computed_again() -> None:
