@@ -43,41 +43,43 @@ DETAILED = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "genera
 async def _send(session: Any, url: str, payload: dict[str, Any], chat: bool,
                 rec: RequestRecord) -> None:
     """Stream one completion into `rec` (vLLM's timing: a chunk with choices is a token
-    arrival, even with empty text; the usage chunk gives the output token count)."""
+    arrival, even with empty text; the usage chunk gives the output token count). The
+    stream is read as it comes, whole reads at a time, not a line per await: at tens of
+    thousands of chunks a second a client reading line by line falls behind the server,
+    and its lag would count as the server's. Chunks of one read arrive at one time."""
     import aiohttp
 
     st = time.perf_counter()
     rec.start_time = st
     last = st
     text: list[str] = []
+    pending = b""
     try:
         async with session.post(url, json=payload) as resp:
             if resp.status != 200:
                 rec.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
                 return
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    rec.error = json.dumps(chunk["error"])[:500]
-                    return
-                if choices := chunk.get("choices"):
-                    now = time.perf_counter()
-                    if rec.ttft == 0.0:
-                        rec.ttft = now - st
-                    else:
-                        rec.itl.append(now - last)
-                    last = now
-                    piece = (choices[0].get("delta") or {}).get("content") if chat else (
-                        choices[0].get("text"))
-                    text.append(piece or "")
-                elif usage := chunk.get("usage"):
-                    rec.output_tokens = usage.get("completion_tokens") or 0
+            async for data in resp.content.iter_any():
+                now = time.perf_counter()
+                events, pending = _data_lines(pending + data)
+                for event in events:
+                    if event == b"[DONE]":
+                        break
+                    chunk = json.loads(event)
+                    if "error" in chunk:
+                        rec.error = json.dumps(chunk["error"])[:500]
+                        return
+                    if choices := chunk.get("choices"):
+                        if rec.ttft == 0.0:
+                            rec.ttft = now - st
+                        else:
+                            rec.itl.append(now - last)
+                        last = now
+                        piece = (choices[0].get("delta") or {}).get("content") if chat else (
+                            choices[0].get("text"))
+                        text.append(piece or "")
+                    elif usage := chunk.get("usage"):
+                        rec.output_tokens = usage.get("completion_tokens") or 0
         rec.generated_text = "".join(text)
         rec.latency = last - st
         rec.success = rec.ttft > 0.0
@@ -85,6 +87,13 @@ async def _send(session: Any, url: str, payload: dict[str, Any], chat: bool,
             rec.error = "the stream ended before any token"
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"
+
+
+def _data_lines(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """The payloads of the complete `data:` lines in `buffer`, and the partial line left."""
+    *lines, rest = buffer.split(b"\n")
+    lines = [line.strip() for line in lines]
+    return [line[5:].strip() for line in lines if line.startswith(b"data:")], rest
 
 
 def _payload(args: argparse.Namespace, model: str, req: SampleRequest, chat: bool,

@@ -85,11 +85,17 @@ def _cuda_kv_budget(fraction: float, device: torch.device) -> int:
     return budget
 
 
+SECTION_ALIGN = 16  # int32s (64 bytes): where each section of a step's inputs starts
+
+
 @dataclass(frozen=True)
 class StepLayout:
-    """Where each input of a step lies in the step buffer: sections packed back to back,
-    so a CUDA graph captured for a decode batch of B rows finds its inputs at the same
-    offsets every time (T = B = S there)."""
+    """Where each input of a step lies in the step buffer: sections packed one after
+    another, so a CUDA graph captured for a decode batch of B rows finds its inputs at the
+    same offsets every time (T = B = S there). Each section starts on a multiple of
+    `SECTION_ALIGN` elements: Triton compiles a kernel once per alignment of its pointers, so
+    sections at offsets that follow the step's sizes would compile new kernels in the
+    middle of serving (0.1-1 s each on a cold cache)."""
 
     num_tokens: int  # T
     num_seqs: int  # B
@@ -107,13 +113,12 @@ class StepLayout:
         out, at = {}, 0
         for name, n in sizes.items():
             out[name] = (at, at + n)
-            at += n
+            at += -(-n // SECTION_ALIGN) * SECTION_ALIGN
         return out
 
     @property
     def size(self) -> int:
-        return (3 * self.num_tokens + 3 * self.num_seqs + 1 + self.num_logits
-                + 2 * self.num_updates + 2 * self.num_carries)
+        return self.offsets["carry_from"][1]
 
 
 @dataclass(eq=False)
@@ -170,7 +175,7 @@ class ModelRunner:
         self.step_tables = torch.empty((max_num_tokens, self.width), **i32)
         cap = StepLayout(max_num_tokens, max_num_tokens, max_num_tokens, 0, max_num_tokens).size
         self._update_capacity = max(4096, 2 * num_blocks)
-        cap += 2 * self._update_capacity
+        cap += 2 * (self._update_capacity + SECTION_ALIGN)
         pinned = self.device.type == "cuda"
         self.host = torch.zeros(cap, dtype=torch.int32, pin_memory=pinned)
         self._host_np = self.host.numpy()

@@ -23,11 +23,15 @@ _fd: int | None = None
 _pid = 0
 
 
-def mark(request_id: str, point: str) -> None:
+def mark(request_id: str, point: str, n: int | None = None) -> None:
+    """`n`: a count to note with the point (the requests a step ran)."""
     if PATH is None:
         return
     global _fd, _pid
     if _fd is None or _pid != os.getpid():  # opened once per process (after a fork too)
         _fd, _pid = os.open(PATH, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), os.getpid()
-    line = json.dumps({"t": time.time(), "pid": _pid, "rid": request_id, "at": point})
+    fields = {"t": time.time(), "pid": _pid, "rid": request_id, "at": point}
+    if n is not None:
+        fields["n"] = n
+    line = json.dumps(fields)
     os.write(_fd, line.encode() + b"\n")

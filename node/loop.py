@@ -204,7 +204,7 @@ class EngineLoop:
             self._fail_all(exc)
             return
         self._progress_at, self._last_error = time.monotonic(), None
-        trace.mark("step", "step.end")
+        trace.mark("step", "step.end", len(outputs))
         for out in outputs:
             self._deliver(out.request_id, out, out.finished)
 

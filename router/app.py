@@ -13,6 +13,7 @@ goes away aborts its request, streaming or not.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -238,12 +239,12 @@ def create_app(settings: RouterSettings) -> FastAPI:
             if shape.chat:
                 yield _event(shape.chunk({"role": "assistant", "content": ""}, None))
             last, previous = first, time.monotonic()
-            yield _event(shape.delta(first))
+            yield shape.event(first)
             async for chunk in chunks:
                 now = time.monotonic()
                 metrics.itl.observe(now - previous)
                 previous, last = now, chunk
-                yield _event(shape.delta(chunk))
+                yield shape.event(chunk)
             _observe_end(last, started)
             if include_usage:
                 yield _event({**shape.chunk(None, None), "choices": [],
@@ -354,7 +355,11 @@ def _usage(last: pb.GenerateChunk) -> dict[str, Any]:
 
 
 def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {_json(data)}\n\n"
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _finish(reason: str) -> str | None:
@@ -381,15 +386,26 @@ class _Shape:
                 else "text_completion", "created": self.created, "model": self.model,
                 "choices": [choice]}
 
-    def delta(self, chunk: pb.GenerateChunk) -> dict[str, Any]:
+    def event(self, chunk: pb.GenerateChunk) -> str:
+        """The SSE event of a token chunk, from a template made once per request: every
+        token of a stream passes here, so the object is not built and encoded whole each
+        time. Chat: the delta has the text (none on a last chunk without text)."""
         finish = _finish(chunk.finish_reason)
         if self.chat:
-            return self.chunk({"content": chunk.text} if chunk.text or not finish else {},
-                              finish)
-        out = self.chunk(chunk.text, finish)
-        if self.token_ids:
-            out["choices"][0]["token_ids"] = list(chunk.token_ids)
-        return out
+            delta = (f'{{"content": {_json(chunk.text)}}}' if chunk.text or not finish
+                     else "{}")
+            tail = f'"delta": {delta}'
+        else:
+            tail = f'"text": {_json(chunk.text)}'
+            if self.token_ids:
+                tail += f', "token_ids": {json.dumps(list(chunk.token_ids))}'
+        return f'{self._head}{_json(finish)}, {tail}}}]}}\n\n'
+
+    @functools.cached_property
+    def _head(self) -> str:
+        """A chunk's event up to its choice's finish_reason."""
+        event = _event(self.chunk(None, None))
+        return event[: event.rindex('"finish_reason": ') + len('"finish_reason": ')]
 
     def whole(self, text: str, last: pb.GenerateChunk, token_ids: list[int]) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "logprobs": None,

@@ -15,7 +15,7 @@ from tandem.bench.datasets import (
     random_requests,
 )
 from tandem.bench.metrics import RequestRecord, compute_metrics, parse_goodput
-from tandem.bench.serve import _arrival_times
+from tandem.bench.serve import _arrival_times, _data_lines
 
 
 def records() -> list[RequestRecord]:
@@ -126,3 +126,17 @@ def test_multi_turn_prompts_carry_each_users_history_round_by_round() -> None:
     assert len({tuple(r.prompt[:question]) for r in rounds[0]}) == users
     with pytest.raises(ValueError, match="at least 1"):
         multi_turn_requests(0, 2, 4, 4, 1000, 0)
+
+
+def test_sse_payloads_split_across_reads() -> None:
+    """The stream is read whole reads at a time: events cut anywhere, several per read,
+    CRLF or LF, comments and blank lines between."""
+    stream = (b'data: {"a": 1}\n\n: keep-alive\n\ndata:{"b": 2}\r\n\r\n'
+              b'data: {"c": "x\\ny"}\n\ndata: [DONE]\n\n')
+    for cut in range(1, 12):
+        pending, got = b"", []
+        for i in range(0, len(stream), cut):
+            events, pending = _data_lines(pending + stream[i:i + cut])
+            got += events
+        assert got == [b'{"a": 1}', b'{"b": 2}', b'{"c": "x\\ny"}', b"[DONE]"]
+        assert pending == b""

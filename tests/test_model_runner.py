@@ -14,6 +14,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.engine.cpu_linear import linear, mkl_rows
 from tandem.engine.cuda_graphs import capture_graphs, prefill_sizes
+from tandem.engine.model_runner import SECTION_ALIGN, StepLayout
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -121,3 +122,20 @@ def test_one_row_goes_to_mkl_exactly_when_mkl_has_every_thread() -> None:
         if rows <= mkl_rows():
             assert got.equal(want)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens,seqs,logits,updates,carries",
+                         [(1, 1, 1, 0, 0), (17, 3, 2, 5, 1), (2048, 16, 16, 130, 0)])
+def test_step_sections_start_64_byte_aligned(tokens: int, seqs: int, logits: int,
+                                             updates: int, carries: int) -> None:
+    """Triton compiles a kernel per alignment of its pointers: every section of a step's
+    inputs starts on 16 int32s, whatever the step's sizes, and they do not overlap."""
+    layout = StepLayout(tokens, seqs, logits, updates, carries)
+    spans = list(layout.offsets.values())
+    assert all(a % SECTION_ALIGN == 0 for a, _ in spans)
+    assert all(b <= c for (_, b), (c, _) in zip(spans, spans[1:]))
+    assert layout.size == spans[-1][1]
+    # A graph's inputs sit where they were at capture, whatever a step adds after them.
+    bare = StepLayout(tokens, seqs, logits, 0).offsets
+    assert {k: layout.offsets[k] for k in ("ids", "seq_lens", "logits_rows")} == {
+        k: bare[k] for k in ("ids", "seq_lens", "logits_rows")}

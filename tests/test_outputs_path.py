@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from tandem.engine import trace
@@ -52,6 +53,40 @@ def test_outbox_sends_a_requests_queued_outputs_as_one_chunk() -> None:
     assert (list(by_id["b"].token_ids), by_id["b"].text) == ([5], "u")
     [b] = second.chunks
     assert (list(b.token_ids), b.text, b.finish_reason) == ([6], "v", "stop")
+
+
+def test_outbox_from_another_thread_delivers_every_token_once_in_order() -> None:
+    """The engine thread appends outputs and wakes the loop once per batch while the
+    loop drains them: every token of every request arrives once, in order, and each
+    request's last chunk ends it."""
+    steps, n = 300, 16
+
+    async def run() -> dict[str, list[int]]:
+        outbox = Outbox("router-1", Bridge(asyncio.get_running_loop()))
+        batches = outbox.batches()
+        await anext(batches)
+        listeners = [outbox.listener(Chunks(f"r{i}")) for i in range(n)]
+
+        def engine() -> None:
+            for step in range(1, steps + 1):
+                finish = "length" if step == steps else None
+                for i, on in enumerate(listeners):
+                    on(_out(f"r{i}", list(range(step)), str(step - 1), finish))
+
+        thread = threading.Thread(target=engine)
+        thread.start()
+        got: dict[str, list[int]] = {f"r{i}": [] for i in range(n)}
+        ended = 0
+        while ended < n:
+            for chunk in (await anext(batches)).chunks:
+                got[chunk.request_id] += chunk.token_ids
+                ended += bool(chunk.finish_reason)
+        thread.join()
+        outbox.close()
+        return got
+
+    got = asyncio.run(run())
+    assert got == {f"r{i}": list(range(steps)) for i in range(n)}
 
 
 def test_router_merges_consecutive_chunks_keeping_the_head_and_the_end() -> None:
