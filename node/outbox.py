@@ -89,9 +89,8 @@ class Outbox:
         # Every request's outputs since the last batch, in order, appended by the engine
         # thread itself (a deque's append is atomic); `_queued` is set, through the
         # bridge, once per batch. A step's outputs cost an append each on the engine
-        # thread and one wake-up of the loop: every Python call more per output on the
-        # loop's thread takes the GIL from the engine (SmolLM2 shape on an H100, 128
-        # streams: 64k tok/s offline, 36k through a per-output queue).
+        # thread and one wake-up of the loop, not a bridged call and a queue's put and
+        # get each: Python on the loop's thread takes the GIL from the engine's.
         self._outputs: collections.deque[tuple[Chunks, RequestOutput]] = collections.deque()
         self._waking = False  # a wake-up is posted and has not run yet
         self._queued = asyncio.Event()
