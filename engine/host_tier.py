@@ -130,7 +130,8 @@ class HostTier:
         self.settle()
 
     def settle(self) -> None:
-        """Count the timed loads that have ended (never waits)."""
+        """Count the timed loads that have ended (never waits): the engine settles before
+        each step, so the rates that Stats report lag a step at most."""
         while self._timing and self._timing[0][1].query():
             start, end, blocks = self._timing.pop(0)
             self.timed_blocks += blocks

@@ -310,6 +310,8 @@ class LLMEngine:
     # --- the loop -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.host_tier is not None:
+            self.host_tier.settle()  # the loads that ended count in the measured rate now
         batch = self.scheduler.schedule()
         on_layer = self._layer_callback(batch) if batch.requests else None
         sampling = batch.sampling_requests()  # before postprocess advances the counts

@@ -343,8 +343,10 @@ class NodeService(pb_grpc.NodeServicer):
         def subscriber(event: BlockEvent) -> None:  # on the engine thread
             self.bridge.post(events.put_nowait, event)
 
-        def subscribe(e: LLMEngine) -> tuple[list[bytes], list[bytes]]:  # on the loop: no
-            self.events.subscribe(subscriber)  # event slips between
+        def subscribe(e: LLMEngine) -> tuple[list[bytes], list[bytes]]:
+            # On the engine loop, between two steps: no event slips between the snapshot
+            # and the subscription.
+            self.events.subscribe(subscriber)
             return e.cached_block_hashes()
 
         try:
