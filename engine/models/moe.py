@@ -28,7 +28,9 @@ class SparseMoE(nn.Module):
         return triton is None or not self.experts_gate_up.is_cuda
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.ops.linear(x, self.gate)
+        # The router's logits in fp32, as the vocabulary's (bf16's 8-bit mantissa ties
+        # experts: in a tiny Mixtral 2 of 882 choices, each flipping what follows).
+        logits = self.ops.logits(x, self.gate.weight)
         # The grouped GEMM on CUDA; the reference elsewhere (it equals transformers').
         moe = fused_moe_ref if self.runs_reference else fused_moe
         return moe(x, logits, self.experts_gate_up, self.experts_down, self.top_k,
