@@ -10,6 +10,13 @@
 
     python benchmarks/serve_vs_engine.py --json benchmarks/results/serve_vs_engine_cpu.json
     python benchmarks/serve_vs_engine.py --up-flags="--colocated 1"
+
+Issue 24's 5b (N prompts at once, rate inf, the engine batching at most --max-num-seqs):
+
+    python benchmarks/serve_vs_engine.py --model smollm2-135m --load-format dummy \
+        --device cuda --dtype bfloat16 --streams 256 --input-len 128 --output-len 256 \
+        --max-num-seqs 128 --no-prefix-caching --burst \
+        --up-flags="--colocated 1 --skip-tokenizer-init"
 """
 
 from __future__ import annotations
@@ -43,6 +50,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64, help="(default: %(default)s)")
     p.add_argument("--single-stream-prompts", type=int, default=3,
                    help="requests of the one-stream run (default: %(default)s)")
+    p.add_argument("--load-format", default="auto", help="(default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="the engine's batch, offline and served (default: %(default)s)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="off in both, so every prompt is computed")
+    p.add_argument("--burst", action="store_true",
+                   help="send the N streams at once, as a burst at rate inf (no client "
+                        "concurrency limit): the engine queues what its batch cannot hold")
     p.add_argument("--up-flags", default="", help="more flags for tandem up, quoted")
     p.add_argument("--port", type=int, default=8390, help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
@@ -51,7 +66,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def offline(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
+              max_num_seqs=args.max_num_seqs,
+              enable_prefix_caching=not args.no_prefix_caching)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
@@ -93,18 +110,22 @@ def served(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     url = f"http://127.0.0.1:{args.port}"
     up = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "up", "--port", str(args.port), "--model",
-         args.model, "--device", args.device, "--dtype", args.dtype,
+         args.model, "--device", args.device, "--dtype", args.dtype, "--load-format",
+         args.load_format, "--max-num-seqs", str(args.max_num_seqs),
+         *(["--no-prefix-caching"] if args.no_prefix_caching else []),
          *shlex.split(args.up_flags)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_ok(url, up)
         results = {}
-        for name, n, conc in (("warmup", 2, 2), ("streams", args.streams, args.streams),
+        streams = None if args.burst else args.streams
+        for name, n, conc in (("warmup", 2, 2), ("streams", args.streams, streams),
                               ("one_stream", args.single_stream_prompts, 1)):
+            limit = [] if conc is None else ["--max-concurrency", str(conc)]
             subprocess.run(
                 [sys.executable, "-m", "tandem.cli", "bench", "serve", "--base-url", url,
                  "--num-prompts", str(n), "--random-input-len", str(args.input_len),
-                 "--random-output-len", str(args.output_len), "--max-concurrency", str(conc),
+                 "--random-output-len", str(args.output_len), *limit,
                  "--seed", str(args.seed), "--metric-percentiles", "50,90,99",
                  "--save-result", "--result-dir", str(out_dir), "--result-filename",
                  f"{name}.json", "--disable-tqdm"], check=True, stdout=subprocess.DEVNULL)
