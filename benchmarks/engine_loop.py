@@ -98,19 +98,22 @@ def looped(burst: Burst, with_outbox: bool) -> float:
     ended = threading.Event()
     finished = 0
 
-    def count(out: RequestOutput | BaseException) -> None:
+    def one_ended() -> None:  # on one thread only: the engine's, or the sender's
         nonlocal finished
+        finished += 1
+        if finished == burst.args.num_prompts:
+            ended.set()
+
+    def count(out: RequestOutput | BaseException) -> None:
         if isinstance(out, BaseException) or out.finished:
-            finished += 1
-            if finished == burst.args.num_prompts:
-                ended.set()
+            one_ended()
 
     async def send() -> None:
         async for batch in outbox.batches():
             batch.SerializeToString()  # what gRPC would do with it
             for chunk in batch.chunks:
                 if chunk.finish_reason:
-                    count(RequestOutput("", [], "", [], "stop", None, None, 0))
+                    one_ended()
 
     thread = threading.Thread(target=aio.run_until_complete, args=(send(),), daemon=True)
     thread.start()
