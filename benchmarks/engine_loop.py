@@ -18,8 +18,11 @@ The gap between `direct` and `outbox` is what the node's second thread costs the
 from __future__ import annotations
 
 import argparse
+import array
+import collections
 import json
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -47,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="rounds of the three (default: "
                    "%(default)s)")
+    p.add_argument("--modes", default="direct,loop,outbox,drain,columns,across",
+                   help="which to run, in turn (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     return p.parse_args()
 
@@ -131,21 +136,153 @@ def looped(burst: Burst, with_outbox: bool) -> float:
     return took
 
 
+def drained(burst: Burst, columnar: bool) -> float:
+    """The Outbox's hand-off alone: the engine thread appends each output to a deque and
+    wakes the asyncio loop once per batch, which only drains it (`columnar` False) or
+    gathers it into three flat columns and packs them (True): what a per-step columnar
+    batch would cost on that thread, against the Outbox's chunk per request."""
+    loop = EngineLoop(burst.engine, thread=True)
+    aio = new_event_loop()
+    bridge = Bridge(aio)
+    queued: collections.deque[RequestOutput] = collections.deque()
+    waking = [False]
+    ended = threading.Event()
+    finished = [0]
+
+    def wake() -> None:
+        waking[0] = False
+        ids, tokens, texts = [], [], []
+        while queued:
+            out = queued.popleft()
+            if columnar:
+                ids.append(out.request_id)
+                tokens.append(out.token_ids[-1])
+                texts.append(out.delta)
+            if out.finished:
+                finished[0] += 1
+        if columnar:
+            pack(ids, tokens, texts)
+        if finished[0] == burst.args.num_prompts:
+            ended.set()
+
+    def listener(out: RequestOutput | BaseException) -> None:
+        queued.append(out)
+        if not waking[0]:
+            waking[0] = True
+            bridge.post(wake)
+
+    thread = threading.Thread(target=aio.run_forever, daemon=True)
+    thread.start()
+    reqs = burst.requests()
+    began = time.perf_counter()
+    for req in reqs:
+        loop.start(req.request_id, listener, lambda e, req=req: e.add(req))
+    ended.wait()
+    took = time.perf_counter() - began
+    loop.close()
+    aio.call_soon_threadsafe(aio.stop)
+    thread.join(10)
+    return took
+
+
+def pack(ids: list[str], tokens: list[int], texts: list[str]) -> list[bytes]:
+    """Three columns as three frames (what a per-step message would carry)."""
+    return ["\0".join(ids).encode(), array.array("i", tokens).tobytes(),
+            "\0".join(texts).encode()]
+
+
+def across(burst: Burst) -> float:
+    """The engine's outputs leave the process: a stage packs each step's outputs into
+    columns (`pack`) and sends them over a local zmq socket to a child process that
+    makes the Outbox's chunks and serializes them; timed until the child has them all."""
+    import zmq
+
+    ctx = zmq.Context()
+    out_sock = ctx.socket(zmq.PUSH)
+    port = out_sock.bind_to_random_port("tcp://127.0.0.1")
+    back = ctx.socket(zmq.PULL)
+    back_port = back.bind_to_random_port("tcp://127.0.0.1")
+    child = subprocess.Popen([sys.executable, __file__, "--chunk-maker", str(port),
+                              str(back_port), str(burst.args.num_prompts)])
+    back.recv()  # the child is up
+    loop = EngineLoop(burst.engine, thread=True)
+    ids: list[str] = []
+    tokens: list[int] = []
+    texts: list[str] = []
+    ends: list[str] = []
+    ended = [0]
+
+    def listener(out: RequestOutput | BaseException) -> None:  # on the engine thread
+        ids.append(out.request_id)
+        tokens.append(out.token_ids[-1])
+        texts.append(out.delta)
+        if out.finished:
+            ends.append(out.request_id)
+            ended[0] += 1
+            if ended[0] == burst.args.num_prompts:  # no step follows: flush now
+                flush(None)
+
+    def flush(engine: object) -> None:  # a stage: before each step, after the last
+        if ids:
+            frames = pack(ids, tokens, texts) + ["\0".join(ends).encode()]
+            out_sock.send_multipart(frames, copy=False)
+            ids.clear(), tokens.clear(), texts.clear(), ends.clear()
+
+    loop.add_stage(flush)
+    reqs = burst.requests()
+    began = time.perf_counter()
+    for req in reqs:
+        loop.start(req.request_id, listener, lambda e, req=req: e.add(req))
+    back.recv()
+    took = time.perf_counter() - began
+    loop.close()
+    child.wait(10)
+    ctx.destroy(0)
+    return took
+
+
+def chunk_maker(port: int, back_port: int, num_prompts: int) -> None:
+    """The child of `across`: the Outbox's work, per step's columns."""
+    import zmq
+
+    from tandem.protos import node_pb2 as pb
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    back = ctx.socket(zmq.PUSH)
+    back.connect(f"tcp://127.0.0.1:{back_port}")
+    back.send(b"up")
+    done = 0
+    while done < num_prompts:
+        frames = sock.recv_multipart()
+        ids = frames[0].decode().split("\0")
+        tokens = array.array("i", frames[1])
+        texts = frames[2].decode().split("\0")
+        batch = pb.OutputBatch()
+        for rid, token, text in zip(ids, tokens, texts):
+            batch.chunks.add(request_id=rid, token_ids=[token], text=text)
+        batch.SerializeToString()
+        done += len(frames[3].split(b"\0")) if frames[3] else 0
+    back.send(b"done")
+
+
 def main() -> None:
     args = parse_args()
     burst = Burst(args)
     sys.setswitchinterval(NODE_GIL_SWITCH_S)
-    runs: dict[str, list[float]] = {"direct": [], "loop": [], "outbox": []}
+    modes = {"direct": lambda: direct(burst), "loop": lambda: looped(burst, False),
+             "outbox": lambda: looped(burst, True), "drain": lambda: drained(burst, False),
+             "columns": lambda: drained(burst, True), "across": lambda: across(burst)}
+    modes = {name: modes[name] for name in args.modes.split(",")}
+    runs: dict[str, list[float]] = {name: [] for name in modes}
     for _ in range(args.repeats):
-        for name, run in (("direct", lambda: direct(burst)),
-                          ("loop", lambda: looped(burst, False)),
-                          ("outbox", lambda: looped(burst, True))):
+        for name, run in modes.items():
             took = run()
             runs[name].append(burst.tokens / took)
             print(f"{name:>7}: {burst.tokens / took:9.0f} tok/s ({took:.3f} s)", flush=True)
     best = {name: max(v) for name, v in runs.items()}
-    print("best of each: " + ", ".join(f"{k} {v:.0f}" for k, v in best.items())
-          + f"; outbox / direct {best['outbox'] / best['direct']:.0%}")
+    print("best of each: " + ", ".join(f"{k} {v:.0f}" for k, v in best.items()))
     if args.json:
         args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"),
                                          "args": vars(args) | {"json": str(args.json)},
@@ -153,4 +290,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--chunk-maker"]:
+        chunk_maker(*map(int, sys.argv[2:5]))
+    else:
+        main()

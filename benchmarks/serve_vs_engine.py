@@ -55,6 +55,8 @@ def parse_args() -> argparse.Namespace:
                    help="the engine's batch, offline and served (default: %(default)s)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="off in both, so every prompt is computed")
+    p.add_argument("--up-log", type=Path, default=None,
+                   help="write tandem up's output here (default: dropped)")
     p.add_argument("--burst", action="store_true",
                    help="send the N streams at once, as a burst at rate inf (no client "
                         "concurrency limit): the engine queues what its batch cannot hold")
@@ -108,13 +110,14 @@ def wait_ok(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
 
 def served(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     url = f"http://127.0.0.1:{args.port}"
+    log = open(args.up_log, "w") if args.up_log else subprocess.DEVNULL  # noqa: SIM115
     up = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "up", "--port", str(args.port), "--model",
          args.model, "--device", args.device, "--dtype", args.dtype, "--load-format",
          args.load_format, "--max-num-seqs", str(args.max_num_seqs),
          *(["--no-prefix-caching"] if args.no_prefix_caching else []),
          *shlex.split(args.up_flags)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_ok(url, up)
         results = {}
@@ -140,16 +143,18 @@ def main() -> None:
     args = parse_args()
     from tandem.engine.loader import load_model_config, resolve_model
 
-    vocab = load_model_config(resolve_model(args.model, "auto")).vocab_size
+    vocab = load_model_config(resolve_model(args.model, args.load_format)).vocab_size
     # The bench's own random prompts (same seed), so both sides see the same token ids.
     reqs = random_requests(args.streams, args.input_len, args.output_len, 0.0, vocab,
                            args.seed)
     prompts = [list(r.prompt) for r in reqs]
+    # Served first: its processes are gone, and their memory free, when the offline
+    # engine loads (one card holds one of them at a time).
+    with tempfile.TemporaryDirectory() as tmp:
+        serve = served(args, Path(tmp))
     engine = offline(args, prompts)
     print(f"offline: batch {args.streams} {engine['batch_tok_s']:.1f} gen tok/s, "
           f"batch-1 step {engine['step_ms_batch1']:.1f} ms", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        serve = served(args, Path(tmp))
     many, one = serve["streams"], serve["one_stream"]
     figures = {
         "offline_batch_tok_s": engine["batch_tok_s"],
@@ -171,7 +176,7 @@ def main() -> None:
             "cpu_count": os.cpu_count(), "figures": figures,
             "served": {k: {x: v for x, v in r.items() if not isinstance(v, list)}
                        for k, r in serve.items()},
-        }, indent=1))
+        }, indent=1, default=str))
         print(f"wrote {args.json}")
 
 

@@ -9,23 +9,18 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tandem.node import auth
+from tandem.node.front import SERVER_OPTIONS
+
+if TYPE_CHECKING:
+    from tandem.node.calls import FrontServer
 from tandem.node.server import NodeService
 from tandem.protos import node_pb2_grpc as pb_grpc
-
-# A call the server has received waits until the asyncio loop takes it up. gRPC's own
-# limits on such calls (1,000 pending, then random drops up to 3,000; 30 s untaken)
-# cancelled ~1,000 of a burst of 5,000 Generate calls on 2 cores: the node's limit is
-# `max_requests`, so they are lifted.
-SERVER_OPTIONS = [("grpc.server.max_pending_requests", 1 << 20),
-                  ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
-                  ("grpc.server_max_unrequested_time_in_server", 600)]
-
 
 
 @dataclass(eq=False)
@@ -51,6 +46,9 @@ class NodeServer:
         if aio.is_running():
             asyncio.run_coroutine_threadsafe(stop(), aio)
         return self.stopped
+
+    def close(self) -> None:
+        """Once stopped: nothing more to release (a `FrontServer` has its front's)."""
 
 
 def serve(service: NodeService, host: str = "127.0.0.1", port: int = 0,
@@ -118,7 +116,7 @@ def _health(service: NodeService) -> health_pb2_grpc.HealthServicer:
     return servicer
 
 
-def run_until_stopped(server: NodeServer, service: NodeService,
+def run_until_stopped(server: NodeServer | FrontServer, service: NodeService,
                       stop: threading.Event | None = None, drain_timeout_s: float = 0.0
                       ) -> None:
     """Serve until `stop` is set; then drain: take no new work (Health says draining, so
@@ -131,6 +129,7 @@ def run_until_stopped(server: NodeServer, service: NodeService,
     finally:
         server.stop(grace=5).wait(30)
         service.close()
+        server.close()
 
 
 def drain(service: NodeService, timeout_s: float) -> bool:

@@ -10,7 +10,9 @@ steps while requests are unfinished and hands each request's outputs to its list
 
 A listener runs on the loop thread and must not block. `add_stage(fn)` has the loop run
 `fn(engine)` after each round of calls and before each step: a role's queue that waits
-for the engine's blocks moves there (the decode role's prealloc queue).
+for the engine's blocks moves there (the decode role's prealloc queue). `add_flush(fn)`
+has it run `fn()` once the outputs of a step (or of a round of calls) are delivered:
+listeners that gather a step's outputs send them there, in one message.
 
 If a step raises (a bug), every unfinished request is aborted and its listener gets the
 exception, so no caller waits forever; the loop goes on with new requests. `liveness()`
@@ -65,6 +67,7 @@ class EngineLoop:
             queue.SimpleQueue())
         self._listeners: dict[str, Listener] = {}
         self._stages: list[Callable[[LLMEngine], None]] = []
+        self._flushes: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._stopped = threading.Event()  # run() has returned
@@ -95,6 +98,11 @@ class EngineLoop:
         """Run `fn(engine)` on the loop thread before every step (and on every idle
         wake-up); it must not block, and what it raises is logged."""
         self._stages.append(fn)
+
+    def add_flush(self, fn: Callable[[], None]) -> None:
+        """Run `fn()` on the loop thread after every step and every round of calls; it
+        must not block, and what it raises is logged."""
+        self._flushes.append(fn)
 
     def listen(self, request_id: str, listener: Listener) -> None:
         """Outputs of `request_id` go to `listener` until one is finished."""
@@ -158,11 +166,13 @@ class EngineLoop:
         try:
             while not self._closed.is_set():
                 self._run_calls(block=not self.engine.has_unfinished)
+                self._run_flushes()  # what the calls made goes ahead of the step's
                 self._run_stages()
                 if self.engine.has_unfinished:
                     self._step()
                 else:
                     self._progress_at = time.monotonic()
+                self._run_flushes()
         finally:
             while not self._calls.empty():  # nobody will run these now
                 _, future = self._calls.get_nowait()
@@ -191,6 +201,13 @@ class EngineLoop:
                 stage(self.engine)
             except Exception:  # noqa: BLE001 - a stage's bug must not stop the loop
                 log.exception("engine loop stage %s failed", stage)
+
+    def _run_flushes(self) -> None:
+        for flush in self._flushes:
+            try:
+                flush()
+            except Exception:  # noqa: BLE001 - as a stage's
+                log.exception("engine loop flush %s failed", flush)
 
     def _step(self) -> None:
         trace.mark("step", "step.begin")

@@ -8,12 +8,14 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 from tandem.engine.cli_generate import engine_config
 from tandem.engine.llm_engine import LLMEngine
 from tandem.kvtransfer.index import get_index
 from tandem.node.auth import CLUSTER_SECRET_ENV, read_secret
-from tandem.node.grpc_server import run_until_stopped, serve
+from tandem.node.calls import serve_front
+from tandem.node.grpc_server import run_until_stopped
 from tandem.node.server import NodeService
 
 GIL_SWITCH_INTERVAL_S = 0.0005
@@ -28,12 +30,20 @@ def run_node(args: argparse.Namespace) -> int:
             "(--cluster-secret or %s)", CLUSTER_SECRET_ENV)
     engine = LLMEngine(engine_config(args))
     index = get_index(args.index, engine.model_name) if args.index else None
-    service = NodeService(engine, args.role, args.connector, args.transfer_host, index,
-                          engine_thread=False,
-                          secret=None if secret is None else secret.encode(),
-                          transfer_port=args.transfer_port, advertise_host=args.advertise_host,
-                          max_requests=args.max_requests)
-    server, port = serve(service, args.host, args.port, args.advertise_host)
+    token = None if secret is None else secret.encode()
+
+    def make_service(send_columns: Callable[[str, bytes], None]) -> NodeService:
+        return NodeService(engine, args.role, args.connector, args.transfer_host, index,
+                           engine_thread=False, secret=token,
+                           transfer_port=args.transfer_port,
+                           advertise_host=args.advertise_host,
+                           max_requests=args.max_requests, send_columns=send_columns)
+
+    # gRPC, and the Outputs streams' per-token work, in a process of their own: they
+    # would take the GIL from the engine thread here (node/calls.py).
+    server, port = serve_front(make_service, args.host, args.port, args.advertise_host,
+                               token)
+    service = server.service
     # The engine thread runs Python most of a step and rarely waits: with the default
     # 5 ms switch interval, each hand-off of a token to a gRPC thread could wait that
     # long for the GIL. 0.5 ms bounds it well under a decode step.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from tandem.engine import trace
 from tandem.engine.outputs import RequestOutput
@@ -138,3 +138,84 @@ class Outbox:
                 chunks.chunk(outs[-1], text, into=batch.chunks.add())
             if batch.chunks:  # none: what a wake-up announced went with the last batch
                 yield batch
+
+
+class Columns:
+    """One engine step's outputs for one Outputs stream, gathered on the engine thread
+    (a few appends each) and sent as one `OutputColumns` message: a request's `Chunks`
+    (`sent`, `head`) belong to the engine thread once it has started."""
+
+    def __init__(self) -> None:
+        self.request_ids: list[str] = []
+        self.num_tokens: list[int] = []
+        self.token_ids: list[int] = []
+        self.texts: list[str] = []
+        self.heads: list[pb.GenerateChunk] = []
+        self.ends: list[pb.GenerateChunk] = []
+        self.done: list[Chunks] = []  # their last entry is here: done once it is sent
+
+    def add(self, chunks: Chunks, out: RequestOutput) -> None:
+        new = out.token_ids[chunks.sent:]
+        chunks.sent = len(out.token_ids)
+        self.request_ids.append(chunks.request_id)
+        self.num_tokens.append(len(new))
+        self.token_ids += new
+        self.texts.append(out.delta)
+        if chunks.head is not None:
+            trace.mark(chunks.request_id, "decode.first_chunk")
+            head = pb.GenerateChunk(request_id=chunks.request_id)
+            head.MergeFrom(chunks.head)
+            self.heads.append(head)
+            chunks.head = None
+        if out.finished:
+            self.ends.append(pb.GenerateChunk(
+                request_id=chunks.request_id, finish_reason=out.finish_reason or "",
+                prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+                cached_tokens=out.num_cached_tokens))
+            self.done.append(chunks)
+
+    def message(self) -> pb.OutputColumns:
+        return pb.OutputColumns(request_ids=self.request_ids, num_tokens=self.num_tokens,
+                                token_ids=self.token_ids, texts=self.texts, heads=self.heads,
+                                ends=self.ends)
+
+
+class ColumnOutbox:
+    """An Outputs stream whose batches another process makes (`node/front.py`): the
+    engine thread gathers each step's outputs as `Columns` and `flush` (after the step)
+    hands them to `send(subscriber, message)`; `batches` only opens the stream and holds
+    it until `close()`. The same listener and `closed` as `Outbox`."""
+
+    def __init__(self, subscriber: str, bridge: Bridge,
+                 send: Callable[[str, bytes], None]) -> None:
+        self.subscriber = subscriber
+        self._bridge, self._send = bridge, send
+        self._columns = Columns()  # the engine thread's
+        self.closed = asyncio.Event()
+
+    def listener(self, chunks: Chunks):  # noqa: ANN201 - a Listener
+        def on_output(out: Output) -> None:  # on the engine thread
+            if isinstance(out, BaseException):
+                self._bridge.post(chunks.fail, out)
+            elif not self.closed.is_set():
+                self._columns.add(chunks, out)
+        return on_output
+
+    def flush(self) -> None:
+        """On the engine thread, after a step: send what it gathered; then its finished
+        requests' Generate calls may end."""
+        columns = self._columns
+        if not columns.request_ids:
+            return
+        self._columns = Columns()
+        self._send(self.subscriber, columns.message().SerializeToString())
+        for chunks in columns.done:
+            self._bridge.post(chunks.done.set)
+
+    def close(self) -> None:
+        self.closed.set()
+
+    async def batches(self) -> AsyncIterator[pb.OutputBatch]:
+        yield pb.OutputBatch()  # open
+        await self.closed.wait()
+

@@ -49,7 +49,7 @@ from tandem.node import convert
 from tandem.node.aio import Bridge, engine_call, new_event_loop
 from tandem.node.events import BlockEvents
 from tandem.node.loop import EngineLoop, LoopClosed
-from tandem.node.outbox import CallStream, Chunks, Outbox
+from tandem.node.outbox import CallStream, Chunks, ColumnOutbox, Outbox
 from tandem.node.timeouts import TIMEOUTS, Timeouts
 from tandem.prefill_node.role import PrefillRole
 from tandem.protos import node_pb2 as pb
@@ -133,6 +133,7 @@ class NodeService(pb_grpc.NodeServicer):
                  engine_thread: bool = True, secret: bytes | None = None,
                  timeouts: Timeouts = TIMEOUTS, max_requests: int = MAX_REQUESTS,
                  transfer_port: int = 0, advertise_host: str | None = None,
+                 send_columns: Callable[[str, bytes], None] | None = None,
                  **connector_options: object) -> None:
         """`index`: a shared block-hash index (Redis) this node publishes its blocks to,
         as its address (`serve` sets it); routers also follow `BlockEvents`.
@@ -141,7 +142,9 @@ class NodeService(pb_grpc.NodeServicer):
         a peer, carries (`node/auth.py`); None: calls are not checked. At most
         `max_requests` Generate and Prefill calls are held at once. The transfer agent
         listens on `transfer_host`:`transfer_port` (0: a free port); peers are told
-        `advertise_host` (default: `transfer_host`)."""
+        `advertise_host` (default: `transfer_host`). `send_columns`: the Outputs
+        streams' batches are made by the gRPC front's process (`node/front.py`); each
+        step's outputs go to it from the engine thread (`ColumnOutbox`)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
         self.role = ROLES[role]
@@ -168,7 +171,10 @@ class NodeService(pb_grpc.NodeServicer):
         engine.block_pool.on_event = self.events.on_event  # before any request runs
         self._tasks: dict[str, asyncio.Task] = {}  # Generate and Prefill calls, by request
         self._aborted: dict[asyncio.Task, str] = {}  # cancelled by an Abort: why
-        self._outboxes: dict[str, Outbox] = {}  # open Outputs streams, by subscriber
+        self._outboxes: dict[str, Outbox | ColumnOutbox] = {}  # Outputs streams, by subscriber
+        self._send_columns = send_columns
+        if send_columns is not None:
+            self.loop.add_flush(self._flush_columns)
 
     # -- the decode role ---------------------------------------------------------------
 
@@ -218,7 +224,8 @@ class NodeService(pb_grpc.NodeServicer):
         self._serving(pb.DECODE, new_work=False)  # running requests stream here
         if not request.subscriber:
             raise ValueError("subscriber is empty")
-        outbox = Outbox(request.subscriber, self.bridge)
+        outbox = (Outbox(request.subscriber, self.bridge) if self._send_columns is None
+                  else ColumnOutbox(request.subscriber, self.bridge, self._send_columns))
         old, self._outboxes[request.subscriber] = (
             self._outboxes.get(request.subscriber), outbox)
         if old is not None:
@@ -395,7 +402,11 @@ class NodeService(pb_grpc.NodeServicer):
         if new_work and not self.accepting:
             raise Status(grpc.StatusCode.FAILED_PRECONDITION, "this node is draining")
 
-    def _outbox(self, subscriber: str) -> Outbox | None:
+    def _flush_columns(self) -> None:
+        for outbox in list(self._outboxes.values()):  # one copy the GIL keeps whole
+            outbox.flush()
+
+    def _outbox(self, subscriber: str) -> Outbox | ColumnOutbox | None:
         if not subscriber:
             return None
         outbox = self._outboxes.get(subscriber)

@@ -1,0 +1,127 @@
+"""A node's two processes (node/calls.py, node/front.py): the engine thread's per-step
+columns and the batches the front makes of them, exactly; the front loads no engine and
+follows its parent out."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from tandem.engine.outputs import RequestOutput
+from tandem.node.aio import Bridge, new_event_loop
+from tandem.node.front import merge_columns
+from tandem.node.outbox import Chunks, ColumnOutbox
+from tandem.protos import node_pb2 as pb
+
+
+def _out(rid: str, tokens: list[int], delta: str, finish: str | None = None) -> RequestOutput:
+    return RequestOutput(request_id=rid, prompt_token_ids=[1, 2, 3], text="",
+                         token_ids=tokens, finish_reason=finish, stop_reason=None,
+                         logprobs=None, num_cached_tokens=2, delta=delta)
+
+
+def test_merge_columns_makes_a_chunk_per_request_in_order() -> None:
+    first = pb.OutputColumns(request_ids=["a", "b"], num_tokens=[1, 2], token_ids=[7, 8, 9],
+                             texts=["x", "yz"],
+                             heads=[pb.GenerateChunk(request_id="b", prefilled_by="p:1")])
+    second = pb.OutputColumns(request_ids=["b", "a"], num_tokens=[1, 1], token_ids=[10, 11],
+                              texts=["w", "v"],
+                              ends=[pb.GenerateChunk(request_id="a", finish_reason="length",
+                                                     prompt_tokens=3, completion_tokens=2)])
+    batch = merge_columns([first, second])
+    assert list(batch.chunks) == [
+        pb.GenerateChunk(request_id="a", token_ids=[7, 11], text="xv", finish_reason="length",
+                         prompt_tokens=3, completion_tokens=2),
+        pb.GenerateChunk(request_id="b", token_ids=[8, 9, 10], text="yzw", prefilled_by="p:1"),
+    ]
+
+
+def test_a_column_outbox_sends_each_step_then_ends_its_finished_calls() -> None:
+    aio = new_event_loop()
+    thread = threading.Thread(target=aio.run_forever, daemon=True)
+    thread.start()
+    sent: list[tuple[str, pb.OutputColumns, bool]] = []
+    chunks: dict[str, Chunks] = {}
+
+    def make() -> None:
+        chunks["a"] = Chunks("a", pb.GenerateChunk(queued_s=0.5))
+        chunks["b"] = Chunks("b")
+
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), aio).result()
+    aio.call_soon_threadsafe(make)
+    while len(chunks) < 2:
+        time.sleep(0.01)
+
+    def send(subscriber: str, message: bytes) -> None:
+        done = chunks["a"].done.is_set()
+        sent.append((subscriber, pb.OutputColumns.FromString(message), done))
+
+    outbox = ColumnOutbox("r1", Bridge(aio), send)
+    on_a, on_b = outbox.listener(chunks["a"]), outbox.listener(chunks["b"])
+    on_a(_out("a", [5], "he"))  # a step, on the engine thread
+    on_b(_out("b", [6, 7], "lo"))
+    outbox.flush()
+    outbox.flush()  # nothing new: nothing sent
+    on_a(_out("a", [5, 8], "y", finish="stop"))
+    outbox.flush()
+    asyncio.run_coroutine_threadsafe(asyncio.wait_for(chunks["a"].done.wait(), 5), aio).result()
+    aio.call_soon_threadsafe(aio.stop)
+    thread.join(5)
+    assert [(s, done) for s, _, done in sent] == [("r1", False), ("r1", False)]
+    assert sent[0][1] == pb.OutputColumns(
+        request_ids=["a", "b"], num_tokens=[1, 2], token_ids=[5, 6, 7], texts=["he", "lo"],
+        heads=[pb.GenerateChunk(request_id="a", queued_s=0.5)])
+    assert sent[1][1] == pb.OutputColumns(
+        request_ids=["a"], num_tokens=[1], token_ids=[8], texts=["y"],
+        ends=[pb.GenerateChunk(request_id="a", finish_reason="stop", prompt_tokens=3,
+                               completion_tokens=2, cached_tokens=2)])
+    assert not chunks["b"].done.is_set()
+
+
+def test_the_front_loads_no_engine() -> None:
+    code = ("import sys, tandem.node.front as f; f.serve = lambda *a: f.asyncio.sleep(0); "
+            "sys.argv = ['front', '--host', 'h', '--port', '0', '--ipc', 'd', '--parent', '1']; "
+            "f.main(); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_the_front_exits_once_its_parent_is_gone() -> None:
+    with tempfile.TemporaryDirectory() as ipc:
+        # A parent (as a node would be) that starts the front and lives on until killed.
+        code = ("import os, subprocess, sys, time\n"
+                "front = subprocess.Popen([sys.executable, '-m', 'tandem.node.front', '--host',"
+                f" '127.0.0.1', '--port', '0', '--ipc', {ipc!r}, '--parent', str(os.getpid())])\n"
+                "print(front.pid, flush=True)\n"
+                "time.sleep(120)\n")
+        parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                  text=True)
+        front = int(parent.stdout.readline())
+        try:
+            time.sleep(3.0)
+            assert _running(front)  # its parent lives: it serves on
+            parent.kill()
+            parent.wait()
+            deadline = time.monotonic() + 20
+            while _running(front) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not _running(front)
+        finally:
+            parent.kill()
+            if _running(front):
+                os.kill(front, 9)
