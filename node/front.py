@@ -111,6 +111,7 @@ class Front:
                 reply = await call.next(context)
                 if reply is None:
                     await context.abort(grpc.StatusCode.INTERNAL, f"{method} sent no reply")
+                call.ended = True  # its end follows the reply: nothing to cancel
                 return reply
         return call
 

@@ -39,6 +39,11 @@ from tandem.router.window import Rates, Window
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # how often each node's health and load are read
+# The Outputs stream reads at most gRPC's default 64 KiB ahead of this router (no growing
+# window): a node whose tokens this router is behind on waits to send, and meanwhile
+# merges each request's tokens into one chunk, so a router behind costs fewer chunks,
+# not more of them queued.
+CHANNEL_OPTIONS = [("grpc.http2.bdp_probe", 0)]
 OUTPUTS_RETRY_S = 1.0  # a closed Outputs stream is opened again this long after
 UP, DRAINING, DOWN = "up", "draining", "down"
 
@@ -87,7 +92,8 @@ class NodeClient:
 
     def open(self) -> None:
         self.channel = grpc.aio.insecure_channel(
-            self.address, interceptors=auth.aio_interceptors(self.secret))
+            self.address, interceptors=auth.aio_interceptors(self.secret),
+            options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.NodeStub(self.channel)
 
     async def close(self) -> None:
