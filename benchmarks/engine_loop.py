@@ -96,6 +96,19 @@ def direct(burst: Burst) -> float:
     return time.perf_counter() - began
 
 
+def timed(burst: Burst, loop: EngineLoop, listener: Any, until: Any) -> float:
+    """Seconds from handing a fresh burst to `loop` (each request's outputs to
+    `listener(request_id)`) until `until()` returns; the loop is closed after."""
+    reqs = burst.requests()
+    began = time.perf_counter()
+    for req in reqs:
+        loop.start(req.request_id, listener(req.request_id), lambda e, req=req: e.add(req))
+    until()
+    took = time.perf_counter() - began
+    loop.close()
+    return took
+
+
 def looped(burst: Burst, with_outbox: bool) -> float:
     loop = EngineLoop(burst.engine, thread=True)
     aio = new_event_loop()
@@ -123,14 +136,8 @@ def looped(burst: Burst, with_outbox: bool) -> float:
     thread = threading.Thread(target=aio.run_until_complete, args=(send(),), daemon=True)
     thread.start()
     time.sleep(0.1)
-    reqs = burst.requests()
-    began = time.perf_counter()
-    for req in reqs:
-        listener = outbox.listener(Chunks(req.request_id)) if with_outbox else count
-        loop.start(req.request_id, listener, lambda e, req=req: e.add(req))
-    ended.wait()
-    took = time.perf_counter() - began
-    loop.close()
+    took = timed(burst, loop, lambda rid: outbox.listener(Chunks(rid)) if with_outbox
+                 else count, ended.wait)
     aio.call_soon_threadsafe(outbox.close)
     thread.join(10)
     return took
@@ -173,13 +180,7 @@ def drained(burst: Burst, columnar: bool) -> float:
 
     thread = threading.Thread(target=aio.run_forever, daemon=True)
     thread.start()
-    reqs = burst.requests()
-    began = time.perf_counter()
-    for req in reqs:
-        loop.start(req.request_id, listener, lambda e, req=req: e.add(req))
-    ended.wait()
-    took = time.perf_counter() - began
-    loop.close()
+    took = timed(burst, loop, lambda rid: listener, ended.wait)
     aio.call_soon_threadsafe(aio.stop)
     thread.join(10)
     return took
@@ -229,13 +230,7 @@ def across(burst: Burst) -> float:
             ids.clear(), tokens.clear(), texts.clear(), ends.clear()
 
     loop.add_stage(flush)
-    reqs = burst.requests()
-    began = time.perf_counter()
-    for req in reqs:
-        loop.start(req.request_id, listener, lambda e, req=req: e.add(req))
-    back.recv()
-    took = time.perf_counter() - began
-    loop.close()
+    took = timed(burst, loop, lambda rid: listener, back.recv)
     child.wait(10)
     ctx.destroy(0)
     return took

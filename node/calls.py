@@ -42,6 +42,7 @@ import zmq
 
 from tandem.node.auth import CLUSTER_SECRET_ENV
 from tandem.node.front import BOUND, CANCEL, END, ERROR, ITEM, METHODS, STOP
+from tandem.node.grpc_server import stop_then_halt
 from tandem.node.server import NodeService
 
 log = logging.getLogger(__name__)
@@ -204,19 +205,13 @@ class FrontServer:
         """The front stops serving (calls still running get `grace` seconds) and exits;
         then the asyncio loop stops; the event is set once it has."""
         self.stopping = True
-        aio = self.service.aio
 
         async def stop() -> None:
-            try:
-                await self.service.aclose()  # the Outputs streams end: none waits the grace
-                self.calls.stop_front(grace or 0.0)
-                await asyncio.to_thread(_reap, self.front, (grace or 0.0) + 10)
-            finally:
-                aio.stop()
+            await self.service.aclose()  # the Outputs streams end: none waits the grace
+            self.calls.stop_front(grace or 0.0)
+            await asyncio.to_thread(_reap, self.front, (grace or 0.0) + 10)
 
-        if aio.is_running():
-            asyncio.run_coroutine_threadsafe(stop(), aio)
-        return self.stopped
+        return stop_then_halt(self.service.aio, stop, self.stopped)
 
     def close(self) -> None:
         """Once stopped: the sockets and their directory."""

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,21 +35,29 @@ class NodeServer:
     def stop(self, grace: float | None = None) -> threading.Event:
         """Stop serving (calls still running get `grace` seconds), then the asyncio loop;
         the event is set once it has."""
-        aio = self.service.aio
-
         async def stop() -> None:
-            try:
-                await self.server.stop(grace)
-                await self.service.aclose()
-            finally:
-                aio.stop()
+            await self.server.stop(grace)
+            await self.service.aclose()
 
-        if aio.is_running():
-            asyncio.run_coroutine_threadsafe(stop(), aio)
-        return self.stopped
+        return stop_then_halt(self.service.aio, stop, self.stopped)
 
     def close(self) -> None:
         """Once stopped: nothing more to release (a `FrontServer` has its front's)."""
+
+
+def stop_then_halt(aio: asyncio.AbstractEventLoop, stop: Callable[[], Awaitable[None]],
+                   stopped: threading.Event) -> threading.Event:
+    """Run `stop()` on the asyncio loop `aio`, then stop the loop (even if `stop` failed);
+    `stopped` is set once the loop has stopped."""
+    async def run() -> None:
+        try:
+            await stop()
+        finally:
+            aio.stop()
+
+    if aio.is_running():
+        asyncio.run_coroutine_threadsafe(run(), aio)
+    return stopped
 
 
 def serve(service: NodeService, host: str = "127.0.0.1", port: int = 0,
