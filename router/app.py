@@ -48,7 +48,6 @@ from tandem.router.protocol import APIError, ChatRequest, CompletionRequest
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default; chat's is Limits.default_chat_max_tokens
-DISCONNECT_POLL_S = 0.5  # a non-streaming request looks at its client this often
 
 
 @dataclass
@@ -327,15 +326,25 @@ def _check_text(data: dict[str, Any]) -> None:
 
 
 async def _until_disconnected(request: Request, work: Any) -> Any:
-    """Await `work` (a coroutine); cancelled, and 499, if the client goes away first."""
+    """Await `work` (a coroutine); cancelled, and 499, the moment the client goes away
+    first (its body is read: the next ASGI message is its disconnect)."""
     task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        left = not task.done()  # the client went away (or this handler was cancelled)
+        if left:
             task.cancel()
-            raise APIError("the client went away", status=499, code="client_closed")
+    if left:
+        raise APIError("the client went away", status=499, code="client_closed")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _tokens(tokenizer: Tokenizer | None, prompt: str | list[int], vocab_size: int
