@@ -53,7 +53,7 @@ class Driver:
                  secret: bytes | None) -> None:
         self.role, self.timeouts = role, timeouts
         self.connector_name, self.secret = connector_name, secret
-        self._peers: dict[str, pb_grpc.NodeStub] = {}  # prefill nodes, by address
+        self._peers: dict[str, auth.AuthedStub] = {}  # prefill nodes, by address
         self._channels: list[grpc.aio.Channel] = []
 
     async def run(self, req: Request, msg: pb.Request, plan: pb.PrefillPlan | None,
@@ -177,14 +177,14 @@ class Driver:
         except TimeoutError:
             raise TransferError(f"the KV did not arrive within {timeout_s:g}s") from None
 
-    def _peer(self, address: str) -> pb_grpc.NodeStub:
+    def _peer(self, address: str) -> auth.AuthedStub:
         """A client of the prefill node at `address`, its channel kept for later calls."""
         stub = self._peers.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(
-                address, interceptors=auth.aio_interceptors(self.secret))
+            channel = grpc.aio.insecure_channel(address)
             self._channels.append(channel)
-            stub = self._peers[address] = pb_grpc.NodeStub(channel)
+            stub = self._peers[address] = auth.AuthedStub(pb_grpc.NodeStub(channel),
+                                                          self.secret)
         return stub
 
 

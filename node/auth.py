@@ -7,7 +7,7 @@ another context, cannot be made from it). A call without it, or with another, en
 UNAUTHENTICATED before its handler runs; the check is in constant time.
 
     server = grpc.aio.server(interceptors=aio_server_interceptors(secret))
-    channel = grpc.aio.insecure_channel(address, interceptors=aio_interceptors(secret))
+    stub = AuthedStub(NodeStub(grpc.aio.insecure_channel(address)), secret)
     channel = authenticated(grpc.insecure_channel(address), secret)   # synchronous
 
 Plain-text gRPC carries the token as a bearer credential: whoever can read the cluster's
@@ -17,6 +17,7 @@ mTLS (a service mesh) as well.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -57,11 +58,20 @@ def aio_server_interceptors(secret: bytes | None) -> list[grpc.aio.ServerInterce
     return [] if secret is None else [_AioRequireToken(token(secret))]
 
 
-def aio_interceptors(secret: bytes | None) -> list[grpc.aio.ClientInterceptor]:
-    if secret is None:
-        return []
-    metadata = ((METADATA_KEY, token(secret)),)
-    return [_AioUnaryUnary(metadata), _AioUnaryStream(metadata)]
+class AuthedStub:
+    """An asyncio stub whose every call carries the cluster token (the same as a client
+    interceptor, which grpc.aio would run through extra tasks on each call)."""
+
+    def __init__(self, stub: Any, secret: bytes | None) -> None:
+        self._stub = stub
+        self._metadata = None if secret is None else ((METADATA_KEY, token(secret)),)
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._stub, name)
+        if self._metadata is not None:
+            method = functools.partial(method, metadata=self._metadata)
+        setattr(self, name, method)  # looked up once
+        return method
 
 
 def authenticated(channel: grpc.Channel, secret: bytes | None) -> grpc.Channel:
@@ -96,27 +106,6 @@ async def _refuse_aio(_: object, context: grpc.aio.ServicerContext) -> None:
 async def _refuse_stream_aio(request: object, context: grpc.aio.ServicerContext) -> Any:
     await _refuse_aio(request, context)
     yield  # unreachable: an async generator, as a streaming handler must be
-
-
-def _with_metadata(details: Any, metadata: tuple[tuple[str, str], ...]) -> Any:
-    return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), *metadata))
-
-
-class _AioUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
-        self._metadata = metadata
-
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(_with_metadata(details, self._metadata), request)
-
-
-class _AioUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
-        self._metadata = metadata
-
-    async def intercept_unary_stream(self, continuation: Any, details: Any,
-                                     request: Any) -> Any:
-        return await continuation(_with_metadata(details, self._metadata), request)
 
 
 class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):

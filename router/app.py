@@ -13,7 +13,6 @@ goes away aborts its request, streaming or not.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import time
@@ -25,7 +24,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
@@ -44,6 +43,7 @@ from tandem.router.metrics import RouterMetrics
 from tandem.router.planner import Planner, PlannerSettings
 from tandem.router.pool import Pool
 from tandem.router.protocol import APIError, ChatRequest, CompletionRequest
+from tandem.router.sse import ClientGone, EventStream, Shape, event, until_gone, usage
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
             need_tokenizer("send the prompt as token ids", "prompt")
         if body.stop:
             need_tokenizer("stop strings cannot match; use stop_token_ids", "stop")
-        ids = await asyncio.to_thread(_tokens, settings.tokenizer, prompt, vocab_size)
+        ids = (_tokens(None, prompt, vocab_size) if isinstance(prompt, list)  # checked only
+               else await asyncio.to_thread(_tokens, settings.tokenizer, prompt, vocab_size))
         params = body.sampling_params(_max_tokens(len(ids), body.max_tokens, None),
                                       DEFAULT_MAX_TOKENS, settings.generation_defaults)
         return await _respond(request, body, ids, params, chat=False)
@@ -208,17 +209,16 @@ def create_app(settings: RouterSettings) -> FastAPI:
             raise APIError(str(exc), status=502, kind="server_error") from None
         trace.mark(rid, "router.first_chunk")
         metrics.ttft.observe(time.monotonic() - started)
-        shape = _Shape(rid, settings.model, chat, settings.tokenizer is None)
+        shape = Shape(rid, settings.model, chat, settings.tokenizer is None)
         headers = {"X-Request-Id": request.headers.get("x-request-id") or rid}
         if not body.stream:
             whole = await _until_disconnected(request, _collect(first, chunks, shape, started))
             return JSONResponse(whole, headers=headers)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(first, chunks, shape, include_usage, started),
-                                 media_type="text/event-stream", headers=headers)
+        return EventStream(_sse(first, chunks, shape, include_usage, started), headers)
 
     async def _collect(first: pb.GenerateChunk, chunks: AsyncIterator[pb.GenerateChunk],
-                       shape: _Shape, started: float) -> dict[str, Any]:
+                       shape: Shape, started: float) -> dict[str, Any]:
         text, ids, last = [first.text], list(first.token_ids), first
         try:
             async for chunk in chunks:
@@ -233,24 +233,22 @@ def create_app(settings: RouterSettings) -> FastAPI:
         return shape.whole("".join(text), last, ids)
 
     async def _sse(first: pb.GenerateChunk, chunks: AsyncIterator[pb.GenerateChunk],
-                   shape: _Shape, include_usage: bool, started: float) -> AsyncIterator[str]:
+                   shape: Shape, include_usage: bool, started: float) -> AsyncIterator[str]:
         try:
             if shape.chat:
-                yield _event(shape.chunk({"role": "assistant", "content": ""}, None))
-            last, previous = first, time.monotonic()
+                yield event(shape.chunk({"role": "assistant", "content": ""}, None))
+            last = first
             yield shape.event(first)
-            async for chunk in chunks:
-                now = time.monotonic()
-                metrics.itl.observe(now - previous)
-                previous, last = now, chunk
+            async for chunk in chunks:  # the flow observes the ITL
+                last = chunk
                 yield shape.event(chunk)
             _observe_end(last, started)
             if include_usage:
-                yield _event({**shape.chunk(None, None), "choices": [],
-                              "usage": _usage(last)})
+                yield event({**shape.chunk(None, None), "choices": [],
+                             "usage": usage(last)})
         except StreamBroken as exc:
             metrics.errors.labels("502").inc()
-            yield _event(APIError(str(exc), status=502, kind="server_error").body())
+            yield event(APIError(str(exc), status=502, kind="server_error").body())
         finally:
             await chunks.aclose()  # a client gone mid-stream: the flow aborts the request
         yield "data: [DONE]\n\n"
@@ -321,30 +319,16 @@ def _check_text(data: dict[str, Any]) -> None:
                 raise APIError(f"{key} is not valid Unicode (a lone surrogate)", key) from None
         elif isinstance(value, dict):
             todo += [(key, v) for v in value.values()]
-        elif isinstance(value, list):
-            todo += [(key, v) for v in value]
+        elif isinstance(value, list):  # a prompt of token ids: nothing to look at
+            todo += [(key, v) for v in value if not isinstance(v, int)]
 
 
 async def _until_disconnected(request: Request, work: Any) -> Any:
-    """Await `work` (a coroutine); cancelled, and 499, the moment the client goes away
-    first (its body is read: the next ASGI message is its disconnect)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
+    """Await `work` (a coroutine); cancelled, and 499, the moment the client goes away."""
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        left = not task.done()  # the client went away (or this handler was cancelled)
-        if left:
-            task.cancel()
-    if left:
-        raise APIError("the client went away", status=499, code="client_closed")
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+        return await until_gone(request.receive, work)
+    except ClientGone:
+        raise APIError("the client went away", status=499, code="client_closed") from None
 
 
 def _tokens(tokenizer: Tokenizer | None, prompt: str | list[int], vocab_size: int
@@ -355,76 +339,3 @@ def _tokens(tokenizer: Tokenizer | None, prompt: str | list[int], vocab_size: in
     if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
         raise APIError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
     return list(prompt)
-
-
-def _usage(last: pb.GenerateChunk) -> dict[str, Any]:
-    return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-            "total_tokens": last.prompt_tokens + last.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": last.cached_tokens}}
-
-
-def _event(data: dict[str, Any]) -> str:
-    return f"data: {_json(data)}\n\n"
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
-
-
-def _finish(reason: str) -> str | None:
-    return {"stop": "stop", "length": "length"}.get(reason, reason or None)
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """The response objects of one request, completion or chat."""
-
-    rid: str
-    model: str
-    chat: bool
-    token_ids: bool = False  # no tokenizer: each choice carries its token ids
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def chunk(self, delta: dict[str, Any] | str | None, finish: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
-        if self.chat:
-            choice["delta"] = delta or {}
-        else:
-            choice["text"] = delta or ""
-        return {"id": self.rid, "object": "chat.completion.chunk" if self.chat
-                else "text_completion", "created": self.created, "model": self.model,
-                "choices": [choice]}
-
-    def event(self, chunk: pb.GenerateChunk) -> str:
-        """The SSE event of a token chunk, from a template made once per request: every
-        token of a stream passes here, so the object is not built and encoded whole each
-        time. Chat: the delta has the text (none on a last chunk without text)."""
-        finish = _finish(chunk.finish_reason)
-        if self.chat:
-            delta = (f'{{"content": {_json(chunk.text)}}}' if chunk.text or not finish
-                     else "{}")
-            tail = f'"delta": {delta}'
-        else:
-            tail = f'"text": {_json(chunk.text)}'
-            if self.token_ids:
-                tail += f', "token_ids": {json.dumps(list(chunk.token_ids))}'
-        return f'{self._head}{_json(finish)}, {tail}}}]}}\n\n'
-
-    @functools.cached_property
-    def _head(self) -> str:
-        """A chunk's event up to its choice's finish_reason."""
-        event = _event(self.chunk(None, None))
-        return event[: event.rindex('"finish_reason": ') + len('"finish_reason": ')]
-
-    def whole(self, text: str, last: pb.GenerateChunk, token_ids: list[int]) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                                  "finish_reason": _finish(last.finish_reason)}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-            if self.token_ids:
-                choice["token_ids"] = token_ids
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice],
-                "usage": _usage(last)}

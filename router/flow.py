@@ -161,8 +161,10 @@ class Flow:
                     if prefill is not None:
                         prefill.in_flight -= 1
                         prefill = None
-                elif chunk.token_ids:
-                    self.pool.record_itl((now - previous) / len(chunk.token_ids), decode)
+                else:
+                    self.metrics.itl.observe(now - previous)
+                    if chunk.token_ids:
+                        self.pool.record_itl((now - previous) / len(chunk.token_ids), decode)
                 previous = now
                 yield chunk
                 if chunk.finish_reason:

@@ -74,7 +74,7 @@ class NodeClient:
     role: int = pb.ROLE_UNSPECIFIED  # what its Health says (the start flag's, until then)
     secret: bytes | None = None  # the cluster secret its calls carry
     channel: grpc.aio.Channel | None = None  # opened on the event loop that uses it
-    stub: pb_grpc.NodeStub = field(init=False)
+    stub: auth.AuthedStub = field(init=False)
     reachable: bool = False  # its last poll answered, and no call failed since
     health: pb.HealthReply | None = None
     stats: pb.StatsReply | None = None
@@ -91,10 +91,8 @@ class NodeClient:
     rates: Rates = field(default_factory=Rates)
 
     def open(self) -> None:
-        self.channel = grpc.aio.insecure_channel(
-            self.address, interceptors=auth.aio_interceptors(self.secret),
-            options=CHANNEL_OPTIONS)
-        self.stub = pb_grpc.NodeStub(self.channel)
+        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.stub = auth.AuthedStub(pb_grpc.NodeStub(self.channel), self.secret)
 
     async def close(self) -> None:
         if self.channel is not None:

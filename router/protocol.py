@@ -135,14 +135,19 @@ class _Sampling(BaseModel):
 def _check_float32(params: SamplingParams) -> None:
     """Refuse, naming it, a float the node would read as another, invalid one (1e39 as inf,
     a top_p of 1e-50 as 0): it checks the params again after the wire's rounding."""
-    for name in _FLOAT32_FIELDS:
-        value = getattr(params, name)
-        wire = _float32(value)
+    wire = {name: _float32(getattr(params, name)) for name in _FLOAT32_FIELDS}
+    try:
+        dataclasses.replace(params, **wire)  # one check of all: the usual case passes
+        return
+    except ValueError as exc:
+        error = APIError(f"as 32-bit floats the sampling parameters are invalid: {exc}")
+    for name, rounded in wire.items():  # name the one at fault
         try:
-            dataclasses.replace(params, **{name: wire})
+            dataclasses.replace(params, **{name: rounded})
         except ValueError as exc:
-            raise APIError(f"{name} is {value!r}, which a 32-bit float holds as {wire!r}: "
-                           f"{exc}", name) from None
+            raise APIError(f"{name} is {getattr(params, name)!r}, which a 32-bit float "
+                           f"holds as {rounded!r}: {exc}", name) from None
+    raise error
 
 
 def _float32(value: float) -> float:

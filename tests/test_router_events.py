@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tandem.protos import node_pb2 as pb
-from tandem.router.app import _Shape
+from tandem.router.sse import Shape
 
 TEXTS = ["", "Paris", 'a "quoted"\nline\\', "é 東京 \U0001f600", "</s>"]
 
@@ -22,7 +22,7 @@ def _data(event: str) -> dict:
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("finish", ["", "stop", "length"])
 def test_completion_chunk(text: str, finish: str) -> None:
-    shape = _Shape("cmpl-1", "m", chat=False, created=7)
+    shape = Shape("cmpl-1", "m", chat=False, created=7)
     chunk = pb.GenerateChunk(text=text, token_ids=[5], finish_reason=finish)
     assert _data(shape.event(chunk)) == {
         "id": "cmpl-1", "object": "text_completion", "created": 7, "model": "m",
@@ -33,7 +33,7 @@ def test_completion_chunk(text: str, finish: str) -> None:
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("finish", ["", "stop"])
 def test_chat_chunk(text: str, finish: str) -> None:
-    shape = _Shape("chatcmpl-1", "m", chat=True, created=7)
+    shape = Shape("chatcmpl-1", "m", chat=True, created=7)
     chunk = pb.GenerateChunk(text=text, finish_reason=finish)
     delta = {"content": text} if text or not finish else {}
     assert _data(shape.event(chunk)) == {
@@ -43,7 +43,7 @@ def test_chat_chunk(text: str, finish: str) -> None:
 
 
 def test_token_ids_without_a_tokenizer() -> None:
-    shape = _Shape("cmpl-2", "m", chat=False, token_ids=True, created=7)
+    shape = Shape("cmpl-2", "m", chat=False, token_ids=True, created=7)
     event = shape.event(pb.GenerateChunk(token_ids=[3, 4], finish_reason="length"))
     assert _data(event)["choices"] == [{"index": 0, "logprobs": None,
                                         "finish_reason": "length", "text": "",
@@ -51,5 +51,5 @@ def test_token_ids_without_a_tokenizer() -> None:
 
 
 def test_text_is_not_escaped_to_ascii() -> None:
-    event = _Shape("cmpl-3", "m", chat=False).event(pb.GenerateChunk(text="東京"))
+    event = Shape("cmpl-3", "m", chat=False).event(pb.GenerateChunk(text="東京"))
     assert '"text": "東京"' in event
