@@ -55,7 +55,7 @@ async def _send(session: Any, url: str, payload: dict[str, Any], chat: bool,
     text: list[str] = []
     pending = b""
     try:
-        async with session.post(url, json=payload) as resp:
+        async with await _post(session, url, payload) as resp:
             if resp.status != 200:
                 rec.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
                 return
@@ -87,6 +87,18 @@ async def _send(session: Any, url: str, payload: dict[str, Any], chat: bool,
             rec.error = "the stream ended before any token"
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"
+
+
+async def _post(session: Any, url: str, payload: dict[str, Any]) -> Any:
+    """The response to `payload`. A kept-alive connection that the server closed while it
+    sat in the pool fails before the request reaches the server (llama-server closes
+    them): that one is sent again, once, on a new connection."""
+    import aiohttp
+
+    try:
+        return await session.post(url, json=payload)
+    except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+        return await session.post(url, json=payload)
 
 
 def _data_lines(buffer: bytes) -> tuple[list[bytes], bytes]:

@@ -4,7 +4,9 @@ through `tandem up` is checked in test_serving.py."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from tandem.bench.datasets import (
     random_requests,
 )
 from tandem.bench.metrics import RequestRecord, compute_metrics, parse_goodput
-from tandem.bench.serve import _arrival_times, _data_lines
+from tandem.bench.serve import _arrival_times, _data_lines, _send
 
 
 def records() -> list[RequestRecord]:
@@ -140,3 +142,44 @@ def test_sse_payloads_split_across_reads() -> None:
             got += events
         assert got == [b'{"a": 1}', b'{"b": 2}', b'{"c": "x\\ny"}', b"[DONE]"]
         assert pending == b""
+
+
+def test_a_request_on_a_connection_the_server_dropped_is_sent_again() -> None:
+    """A real server on loopback that serves one request per connection and drops the
+    next one sent on it, as llama-server does with kept-alive connections: every request
+    completes, none counts as failed."""
+    import aiohttp
+
+    body = (b'data: {"choices": [{"text": "a"}]}\n\n'
+            b'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\ndata: [DONE]\n\n')
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
+                await reader.readexactly(int(length.group(1)) if length else 0)
+                if served:
+                    break  # the kept-alive connection's next request: dropped
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+                served += 1
+        except asyncio.IncompleteReadError:
+            pass
+        writer.close()
+
+    async def main() -> list[RequestRecord]:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+        records = [RequestRecord() for _ in range(3)]
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+            for rec in records:
+                await _send(session, url, {"prompt": "x"}, False, rec)
+        server.close()
+        await server.wait_closed()
+        return records
+
+    records = asyncio.run(main())
+    assert [(r.success, r.error, r.output_tokens) for r in records] == [(True, "", 1)] * 3
