@@ -37,6 +37,8 @@ DETAILED = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "genera
             "errors")
 
 
+_RESENDS = 3  # a request sent on connections the server had closed, again at most this often
+
 # --- one request -----------------------------------------------------------------------
 
 
@@ -92,13 +94,16 @@ async def _send(session: Any, url: str, payload: dict[str, Any], chat: bool,
 async def _post(session: Any, url: str, payload: dict[str, Any]) -> Any:
     """The response to `payload`. A kept-alive connection that the server closed while it
     sat in the pool fails before the request reaches the server (llama-server closes
-    them): that one is sent again, once, on a new connection."""
+    them): the request goes again, on the pool's next connection (the failed one is
+    dropped), at most `_RESENDS` times."""
     import aiohttp
 
-    try:
-        return await session.post(url, json=payload)
-    except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
-        return await session.post(url, json=payload)
+    for _ in range(_RESENDS):
+        try:
+            return await session.post(url, json=payload)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+            pass
+    return await session.post(url, json=payload)
 
 
 def _data_lines(buffer: bytes) -> tuple[list[bytes], bytes]:
