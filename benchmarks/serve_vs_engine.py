@@ -60,7 +60,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--burst", action="store_true",
                    help="send the N streams at once, as a burst at rate inf (no client "
                         "concurrency limit): the engine queues what its batch cannot hold")
-    p.add_argument("--up-flags", default="", help="more flags for tandem up, quoted")
+    p.add_argument("--up-flags", action="append", default=None,
+                   help="more flags for tandem up, quoted; repeat to measure several "
+                        "configurations against the one offline run (default: none)")
     p.add_argument("--port", type=int, default=8390, help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -74,9 +76,11 @@ def offline(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, flo
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    before = dict(llm.engine.runner.steps)
     t = time.perf_counter()
     outs = llm.generate(prompts, greedy)
     batch_s = time.perf_counter() - t
+    steps_by_kind = {k: n - before[k] for k, n in llm.engine.runner.steps.items()}
     assert all(len(o.token_ids) == args.output_len for o in outs)
     steps = []
     for p in prompts[:3]:
@@ -89,7 +93,20 @@ def offline(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, flo
     del llm
     gc.collect()
     return {"batch_s": batch_s, "batch_tok_s": len(prompts) * args.output_len / batch_s,
-            "step_ms_batch1": statistics.median(steps) * 1000}
+            "step_ms_batch1": statistics.median(steps) * 1000, "steps": steps_by_kind}
+
+
+def engine_steps(url: str) -> dict[str, float]:
+    """The nodes' engine steps so far by kind, summed (the router's /metrics)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    steps: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("tandem:engine_steps_total{"):
+            labels, value = line.rsplit(" ", 1)
+            kind = labels.split('kind="', 1)[1].split('"', 1)[0]
+            steps[kind] = steps.get(kind, 0.0) + float(value)
+    return steps
 
 
 def wait_ok(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
@@ -108,15 +125,15 @@ def wait_ok(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
         time.sleep(1)
 
 
-def served(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+def served(args: argparse.Namespace, up_flags: str, out_dir: Path) -> dict[str, Any]:
     url = f"http://127.0.0.1:{args.port}"
-    log = open(args.up_log, "w") if args.up_log else subprocess.DEVNULL  # noqa: SIM115
+    log = open(args.up_log, "a") if args.up_log else subprocess.DEVNULL  # noqa: SIM115
     up = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "up", "--port", str(args.port), "--model",
          args.model, "--device", args.device, "--dtype", args.dtype, "--load-format",
          args.load_format, "--max-num-seqs", str(args.max_num_seqs),
          *(["--no-prefix-caching"] if args.no_prefix_caching else []),
-         *shlex.split(args.up_flags)],
+         *shlex.split(up_flags)],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_ok(url, up)
@@ -125,6 +142,7 @@ def served(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
         for name, n, conc in (("warmup", 2, 2), ("streams", args.streams, streams),
                               ("one_stream", args.single_stream_prompts, 1)):
             limit = [] if conc is None else ["--max-concurrency", str(conc)]
+            before = engine_steps(url)
             subprocess.run(
                 [sys.executable, "-m", "tandem.cli", "bench", "serve", "--base-url", url,
                  "--num-prompts", str(n), "--random-input-len", str(args.input_len),
@@ -133,6 +151,9 @@ def served(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
                  "--save-result", "--result-dir", str(out_dir), "--result-filename",
                  f"{name}.json", "--disable-tqdm"], check=True, stdout=subprocess.DEVNULL)
             results[name] = json.loads((out_dir / f"{name}.json").read_text())
+            time.sleep(1.5)  # the router polls node stats every second
+            results[name]["engine_steps"] = {k: n - before.get(k, 0.0)
+                                             for k, n in engine_steps(url).items()}
         return results
     finally:
         os.killpg(up.pid, signal.SIGINT)
@@ -150,32 +171,41 @@ def main() -> None:
     prompts = [list(r.prompt) for r in reqs]
     # Served first: its processes are gone, and their memory free, when the offline
     # engine loads (one card holds one of them at a time).
-    with tempfile.TemporaryDirectory() as tmp:
-        serve = served(args, Path(tmp))
+    serves = {}
+    for flags in args.up_flags or [""]:
+        with tempfile.TemporaryDirectory() as tmp:
+            serves[flags] = served(args, flags, Path(tmp))
     engine = offline(args, prompts)
     print(f"offline: batch {args.streams} {engine['batch_tok_s']:.1f} gen tok/s, "
-          f"batch-1 step {engine['step_ms_batch1']:.1f} ms", flush=True)
-    many, one = serve["streams"], serve["one_stream"]
-    figures = {
-        "offline_batch_tok_s": engine["batch_tok_s"],
-        "offline_step_ms_batch1": engine["step_ms_batch1"],
-        "served_streams_tok_s": many["output_throughput"],
-        "served_one_stream_median_itl_ms": one["median_itl_ms"],
-        "served_one_stream_tok_s": one["output_throughput"],
-        "served_streams_median_ttft_ms": many["median_ttft_ms"],
-        "streams_ratio": many["output_throughput"] / engine["batch_tok_s"],
-        "itl_over_step": one["median_itl_ms"] / engine["step_ms_batch1"],
-    }
-    print(f"served:  {args.streams} streams {many['output_throughput']:.1f} gen tok/s "
-          f"({figures['streams_ratio']:.0%} of offline; target >= 85%), one stream median "
-          f"ITL {one['median_itl_ms']:.1f} ms ({figures['itl_over_step']:.2f}x the step; "
-          f"target <= 1.3x)")
+          f"batch-1 step {engine['step_ms_batch1']:.1f} ms, steps {engine['steps']}",
+          flush=True)
+    variants = {}
+    for flags, serve in serves.items():
+        many, one = serve["streams"], serve["one_stream"]
+        figures = {
+            "offline_batch_tok_s": engine["batch_tok_s"],
+            "offline_step_ms_batch1": engine["step_ms_batch1"],
+            "offline_steps": engine["steps"],
+            "served_streams_tok_s": many["output_throughput"],
+            "served_streams_steps": many["engine_steps"],
+            "served_one_stream_median_itl_ms": one["median_itl_ms"],
+            "served_one_stream_tok_s": one["output_throughput"],
+            "served_streams_median_ttft_ms": many["median_ttft_ms"],
+            "streams_ratio": many["output_throughput"] / engine["batch_tok_s"],
+            "itl_over_step": one["median_itl_ms"] / engine["step_ms_batch1"],
+        }
+        variants[flags] = figures
+        print(f"served [{flags}]: {args.streams} streams {many['output_throughput']:.1f} gen "
+              f"tok/s ({figures['streams_ratio']:.0%} of offline), TTFT p50 "
+              f"{many['median_ttft_ms']:.1f} ms, steps {many['engine_steps']}; one stream "
+              f"median ITL {one['median_itl_ms']:.1f} ms ({figures['itl_over_step']:.2f}x "
+              f"the step)", flush=True)
     if args.json:
         args.json.write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"json": str(args.json)},
-            "cpu_count": os.cpu_count(), "figures": figures,
-            "served": {k: {x: v for x, v in r.items() if not isinstance(v, list)}
-                       for k, r in serve.items()},
+            "cpu_count": os.cpu_count(), "offline": engine, "variants": variants,
+            "served": {flags: {k: {x: v for x, v in r.items() if not isinstance(v, list)}
+                               for k, r in serve.items()} for flags, serve in serves.items()},
         }, indent=1, default=str))
         print(f"wrote {args.json}")
 

@@ -185,6 +185,8 @@ class ModelRunner:
         # cuda_graphs.DecodeGraphs and PrefillGraphs, set by capture_graphs.
         self.graphs = None
         self.prefill_graphs = None
+        # Steps run since start, by how: a decode graph, a prefill graph, or eagerly.
+        self.steps = {"decode_graph": 0, "prefill_graph": 0, "eager": 0}
         # The last launched step's tokens on the device, the row of each request among
         # them, and two host buffers they are copied to in turn (a step is read back
         # while the next one's copy may already be queued).
@@ -283,6 +285,7 @@ class ModelRunner:
             bucket = self.prefill_graphs.bucket(batch.num_tokens)
             if bucket is not None:
                 self._upload(self._pack(batch, pad_to=1, prefill_to=bucket)[0])
+                self.steps["prefill_graph"] += 1
                 logits = self.prefill_graphs.replay(bucket)  # [2, V]: the request's first
                 if on_layer is not None:
                     for i in range(self.model.config.num_layers):
@@ -295,7 +298,9 @@ class ModelRunner:
         layout, max_seq_len = self._pack(batch, pad_to=bucket or n)
         views = self._upload(layout)
         if bucket is not None:
+            self.steps["decode_graph"] += 1
             return self.graphs.replay(bucket)[:n]
+        self.steps["eager"] += 1
         meta = AttentionMetadata(
             slot_mapping=views["slots"], block_tables=self.step_tables[: layout.num_seqs],
             seq_lens=views["seq_lens"], query_start=views["query_start"],

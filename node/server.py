@@ -294,6 +294,7 @@ class NodeService(pb_grpc.NodeServicer):
         e = self.loop.engine
         s = e.scheduler
         waiting = list(s.waiting)  # a copy taken in one C call: safe while it changes
+        steps = e.runner.steps
         return pb.StatsReply(
             role=self.role, num_running=len(s.running),
             num_waiting=len(waiting) + len(s.ready) + self.decode.num_queued,
@@ -316,6 +317,8 @@ class NodeService(pb_grpc.NodeServicer):
             prompt_step_seconds=e.prompt_step_seconds,
             host_blocks_timed=e.host_tier.timed_blocks if e.host_tier else 0,
             host_load_seconds=e.host_tier.timed_seconds if e.host_tier else 0.0,
+            steps_decode_graph=steps["decode_graph"], steps_prefill_graph=steps["prefill_graph"],
+            steps_eager=steps["eager"],
         )
 
     @_rpc

@@ -132,6 +132,9 @@ class _NodeCollector(Collector):
                                                   "KV bytes the node received."),
             "kv_transfer_failures": counter("kv_transfer_failures",
                                             "KV transfers that failed on the node."),
+            "engine_steps": counter("engine_steps", "Engine steps the node ran, by how: "
+                                    "decode_graph or prefill_graph (a CUDA graph replayed), "
+                                    "or eager.", labels=("kind",)),
         }
         if self.queue is not None:
             families["num_requests_waiting"].add_metric(["router"], self.queue.num_waiting)
@@ -165,4 +168,6 @@ class _NodeCollector(Collector):
             families["kv_transfer_bytes_sent"].add_metric(label, s.kv_bytes_sent)
             families["kv_transfer_bytes_received"].add_metric(label, s.kv_bytes_received)
             families["kv_transfer_failures"].add_metric(label, s.transfers_failed)
+            for kind in ("decode_graph", "prefill_graph", "eager"):
+                families["engine_steps"].add_metric([*label, kind], getattr(s, f"steps_{kind}"))
         yield from families.values()

@@ -73,3 +73,6 @@ def test_tandem_up_serves_with_nodes_on_either_gpu(flags: list[str], expected) -
                     and labels.get("pool") == "decode-local")
         # 1P1D: every prompt was computed on the other GPU and its KV crossed over.
         assert local == (3 * len(PROMPTS) if "--colocated" in flags else 0)
+        graphs = sum(v for name, labels, v in metric_samples(url)
+                     if name == "tandem:engine_steps_total" and labels["kind"] == "decode_graph")
+        assert graphs > 0  # decode steps replayed CUDA graphs on either device

@@ -124,6 +124,11 @@ def test_tandem_up_serves_prompts_again_from_the_host_tier() -> None:
             time.sleep(0.5)
     assert host >= 6 * 48  # every full prompt block of the second round, on some node
     assert usage and max(usage) > 0
+    steps = {kind: sum(v for name, labels, v in samples
+                       if name == "tandem:engine_steps_total" and labels["kind"] == kind)
+             for kind in ("eager", "decode_graph", "prefill_graph")}
+    # On the CPU every step runs eagerly: 12 prompts, each a prefill and decodes.
+    assert steps["eager"] >= 12 * 2 and steps["decode_graph"] == steps["prefill_graph"] == 0
 
 
 def test_promotion_takes_only_blocks_that_are_free_besides_the_prompts_own_hits() -> None:
