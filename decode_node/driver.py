@@ -105,8 +105,9 @@ class Driver:
             await channel.close()
 
     async def _small(self, req: Request, plan: pb.PrefillPlan) -> bool:
-        """Fewer uncached tokens than the plan's threshold: not worth a transfer."""
-        if plan.local_prefill_threshold <= 0:
+        """Fewer uncached tokens than the plan's threshold: not worth a transfer. Never
+        for an early start (the router may have sent its first token on)."""
+        if plan.local_prefill_threshold <= 0 or plan.early:
             return False
 
         def cached(e: LLMEngine) -> int:

@@ -54,7 +54,17 @@ CALL, CANCEL, BOUND = b"call", b"cancel", b"bound"
 ITEM, END, ERROR, STOP = b"item", b"end", b"error", b"stop"
 COLUMNS = b"columns"  # a queue item here: a step's OutputColumns for an Outputs stream
 _PARENT_CHECK_S = 1.0
-_HEALTH_S = 1.0
+# Health is forwarded as any call; if the engine's process has not answered within
+# _HEALTH_WAIT_S (a burst of calls or transfers there holds its asyncio loop or its GIL),
+# the front answers with the last reply it saw, if that is fresher than _HEALTH_FRESH_S
+# (its seconds_since_step aged to now), so a router or a probe never waits on that
+# process's load. The front asks for one every _HEALTH_S besides (for `grpc.health.v1`
+# too). A call that may change what Health says (SetRole, Drain) drops the last reply;
+# a process that stops answering for longer is seen as before.
+_HEALTH_S = 0.25
+_HEALTH_WAIT_S = 0.02
+_HEALTH_FRESH_S = 1.0
+_HEALTH_CHANGERS = frozenset({"SetRole", "Drain"})
 _POLL_MS = 100  # the receiver thread looks at `close` this often
 _LAST_CHUNK_S = 10.0  # a Generate call that ended waits this long for its last chunk
 
@@ -75,6 +85,11 @@ class Front:
         self._sent: dict[tuple[bytes, str], asyncio.Future] = {}
         self.stop = asyncio.Event()
         self.grace = 5.0
+        # The engine's last Health reply and the loop time it was asked at (None: ask);
+        # and a count of the starts and ends of calls that may change it, so a reply
+        # asked for before one of them is not kept.
+        self.health: tuple[pb.HealthReply, float] | None = None
+        self.health_epoch = 0
         self._closing = threading.Event()
         self._receiver = threading.Thread(target=self._receive, args=(ipc,),
                                           name="front-receive", daemon=True)
@@ -83,7 +98,9 @@ class Front:
     def handler(self) -> grpc.GenericRpcHandler:
         methods = {}
         for name, (_, streams) in METHODS.items():
-            if name == "Outputs":
+            if name == "Health":
+                methods[name] = grpc.unary_unary_rpc_method_handler(self._health_call)
+            elif name == "Outputs":
                 methods[name] = grpc.unary_stream_rpc_method_handler(self._outputs_call)
             elif name == "Generate":
                 methods[name] = grpc.unary_stream_rpc_method_handler(self._generate_call)
@@ -105,15 +122,51 @@ class Front:
 
     # -- calls ---------------------------------------------------------------------------
 
+    async def _health_call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """Health: forwarded; the last reply, aged, if the answer is slow (_HEALTH_WAIT_S)."""
+        asked, epoch = self.aio.time(), self.health_epoch
+        async with _Call(self, "Health", request, context) as call:
+            try:
+                reply = await asyncio.wait_for(call.next(context), _HEALTH_WAIT_S)
+            except TimeoutError:
+                cached = self.health
+                if cached is not None and self.aio.time() - cached[1] < _HEALTH_FRESH_S:
+                    aged = pb.HealthReply()
+                    aged.CopyFrom(cached[0])
+                    aged.seconds_since_step += self.aio.time() - cached[1]
+                    return aged.SerializeToString()
+                reply = await call.next(context)
+            if reply is None:
+                await context.abort(grpc.StatusCode.INTERNAL, "Health sent no reply")
+            call.ended = True
+            self.keep_health(pb.HealthReply.FromString(reply), asked, epoch)
+            return reply
+
+    def keep_health(self, reply: pb.HealthReply, asked: float, epoch: int) -> None:
+        """The engine's Health `reply`, asked for at loop time `asked` in `epoch`."""
+        if epoch == self.health_epoch and (self.health is None or self.health[1] < asked):
+            self.health = (reply, asked)
+
     def _unary(self, method: str):  # noqa: ANN202 - a gRPC handler
         async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            async with _Call(self, method, request, context) as call:
-                reply = await call.next(context)
-                if reply is None:
-                    await context.abort(grpc.StatusCode.INTERNAL, f"{method} sent no reply")
-                call.ended = True  # its end follows the reply: nothing to cancel
-                return reply
+            changes = method in _HEALTH_CHANGERS
+            if changes:
+                self._health_changed()
+            try:
+                async with _Call(self, method, request, context) as call:
+                    reply = await call.next(context)
+                    if reply is None:
+                        await context.abort(grpc.StatusCode.INTERNAL, f"{method} sent no reply")
+                    call.ended = True  # its end follows the reply: nothing to cancel
+                    return reply
+            finally:
+                if changes:
+                    self._health_changed()
         return call
+
+    def _health_changed(self) -> None:
+        self.health = None
+        self.health_epoch += 1
 
     def _streaming(self, method: str):  # noqa: ANN202 - a gRPC handler
         async def call(request: bytes, context: grpc.aio.ServicerContext
@@ -304,12 +357,15 @@ def merge_columns(steps: list[pb.OutputColumns]) -> pb.OutputBatch:
 
 
 async def _watch_health(front: Front, servicer: Any) -> None:
-    """`grpc.health.v1` from the node's Health: "" while the engine is alive, "tandem.Node"
-    while it also takes new requests."""
+    """Ask the engine's process for its Health every _HEALTH_S, for the node's Health
+    calls (`Front.health`) and for `grpc.health.v1`: "" while the engine is alive,
+    "tandem.Node" while it also takes new requests."""
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     request = pb.HealthRequest().SerializeToString()
+    state = None
     while True:
+        asked, epoch = front.aio.time(), front.health_epoch
         call_id, replies = front._open("Health", request, 10.0)
         try:
             kind, *fields = await asyncio.wait_for(replies.get(), 10.0)
@@ -318,10 +374,13 @@ async def _watch_health(front: Front, servicer: Any) -> None:
             reply = None
         finally:
             front._close(call_id, True)
+        if reply is not None:
+            front.keep_health(reply, asked, epoch)
         alive = reply is not None and reply.engine_alive
-        await servicer.set("", serving if alive else not_serving)
-        ready = alive and reply.accepting
-        await servicer.set("tandem.Node", serving if ready else not_serving)
+        if (alive, alive and reply.accepting) != state:
+            state = (alive, alive and reply.accepting)
+            await servicer.set("", serving if alive else not_serving)
+            await servicer.set("tandem.Node", serving if state[1] else not_serving)
         await asyncio.sleep(_HEALTH_S)
 
 

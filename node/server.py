@@ -32,6 +32,7 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
@@ -41,6 +42,7 @@ from tandem.decode_node.role import Aborted, DecodeRole
 from tandem.engine import trace
 from tandem.engine.block_pool import BlockEvent
 from tandem.engine.llm_engine import KVCacheFull, LLMEngine
+from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request
 from tandem.kvtransfer.connector import TransferError, get_connector
 from tandem.kvtransfer.index.base import BlockIndex
@@ -51,7 +53,7 @@ from tandem.node.events import BlockEvents
 from tandem.node.loop import EngineLoop, LoopClosed
 from tandem.node.outbox import CallStream, Chunks, ColumnOutbox, Outbox
 from tandem.node.timeouts import TIMEOUTS, Timeouts
-from tandem.prefill_node.role import PrefillRole
+from tandem.prefill_node.role import PrefillRole, sendable_first
 from tandem.protos import node_pb2 as pb
 from tandem.protos import node_pb2_grpc as pb_grpc
 
@@ -247,8 +249,11 @@ class NodeService(pb_grpc.NodeServicer):
         rid = request.request.request_id
         if not request.HasField("sink"):  # an early start: a later call brings the sink
             trace.mark(rid, "prefill.early")
-            self.prefill.begin(self._request(request.request), self.timeouts.early_hold_s)
-            return pb.PrefillReply()
+            req = self._request(request.request)
+            first = self.prefill.begin(req, self.timeouts.early_hold_s)
+            if first is None or not request.first_chunk:
+                return pb.PrefillReply()
+            return await _first_chunk(req, first, context.time_remaining())
         sink, first_block = convert.sink_from_pb(request.sink)
         async with _Held(self, rid):
             trace.mark(rid, "prefill.call")
@@ -490,6 +495,21 @@ async def _until_done(chunks: Chunks, outbox: Outbox) -> None:
     if not chunks.done.is_set():
         raise Status(grpc.StatusCode.UNAVAILABLE,
                      f"the Outputs stream {outbox.subscriber!r} closed")
+
+
+async def _first_chunk(req: Request, first: Future[RequestOutput], seconds_left: float | None
+                       ) -> pb.PrefillReply:
+    """An early start's reply, once its first token is sampled: that chunk where the
+    router may send it on (`sendable_first`); empty where it may not, or if the prefill
+    failed or the caller's time ran out first."""
+    try:
+        out = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(first)), seconds_left)
+    except Exception:  # noqa: BLE001 - the decode node's call meets the failure, and says it
+        return pb.PrefillReply()
+    if not sendable_first(req.params, out):
+        return pb.PrefillReply(first_token=out.token_ids[0])
+    return pb.PrefillReply(first_token=out.token_ids[0], first_chunk=pb.GenerateChunk(
+        request_id=req.request_id, token_ids=out.token_ids[:1], text=out.delta))
 
 
 def _ttl(asked: float, timeouts: Timeouts) -> float:

@@ -46,10 +46,11 @@ dropped, and the call that brings the sink later computes the prompt again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field, replace
 
 from tandem.engine import trace
@@ -57,6 +58,7 @@ from tandem.engine.block_pool import Block
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
 from tandem.kvtransfer.agent import SinkInfo
 from tandem.kvtransfer.connector import Connector, TransferError
 from tandem.kvtransfer.layout import KVLayout
@@ -84,6 +86,18 @@ MAX_EARLY_SHARE = 0.25
 _REMEMBERED = 4096  # request ids started here, so a late early start does not run again
 
 
+def sendable_first(params: SamplingParams, out: RequestOutput) -> bool:
+    """Whether an early start's first output may reach the client ahead of the decode
+    node's first chunk, which brings the same token and text and must add nothing: not
+    where the token ends the request (EOS, a stop token, max_tokens 1: the prompt's one
+    token here ends at its length only), where stop strings may hold text back or
+    logprobs are asked for, nor where the text ends in an unfinished character (this
+    output, the last, flushed it; the decode node holds it for the next token)."""
+    return (out.finish_reason == "length" and (params.max_tokens is None or params.max_tokens > 1)
+            and not params.stop and params.logprobs is None and params.n == 1
+            and not out.delta.endswith("\ufffd"))
+
+
 @dataclass(frozen=True)
 class PrefillResult:
     first_token: int
@@ -109,6 +123,9 @@ class _Pending:
     error: BaseException | None = None  # the hook's reason for opening no push
     output: RequestOutput | None = None  # the finished output, first token in it
     pushed_s: float | None = None  # once the receiver said done: seconds since the hook
+    # That output, as soon as it is sampled with a push under way (an early start's
+    # caller may send its token on); an error once the prefill fails first.
+    first: Future[RequestOutput] = field(default_factory=Future)
 
 
 class PrefillRole:
@@ -171,12 +188,13 @@ class PrefillRole:
         """`run`, for a caller on no event loop (a script, a test thread)."""
         return asyncio.run(self.run(req, sink, first_block, timeout_s))
 
-    def begin(self, req: Request, hold_s: float) -> bool:
+    def begin(self, req: Request, hold_s: float) -> Future[RequestOutput] | None:
         """An early start: compute `req`'s prompt now, its sink to come with a later `run`
         (within `hold_s`, else it is dropped). On the asyncio loop. Skipped, and the later
         `run` starts it, while the engine has prompts waiting, while early starts that
         wait for their sinks are MAX_EARLY or would hold more than MAX_EARLY_SHARE of the
-        blocks with this one, or if the id started here before; whether it started."""
+        blocks with this one, or if the id started here before. Returns None if skipped,
+        else the prompt's first output to come (`_Pending.first`)."""
         rid = req.request_id
         engine = self.loop.engine
         with self._lock:
@@ -185,12 +203,12 @@ class PrefillRole:
             blocks += self._blocks(req.num_prompt_tokens)
             if (rid in self._started or engine.scheduler.waiting or len(early) >= MAX_EARLY
                     or blocks > MAX_EARLY_SHARE * engine.block_pool.num_blocks):
-                return False
+                return None
             pending = self._register(_Pending(rid, list(req.prompt_token_ids),
                                               time.monotonic() + hold_s, hold_s, early=True))
         self._submit_add(req, pending)
         asyncio.get_running_loop().call_later(hold_s, self._lapse, pending)
-        return True
+        return pending.first
 
     def started(self, request_id: str) -> bool:
         """Whether `request_id` started here lately: its early start may be under way, or
@@ -353,6 +371,8 @@ class PrefillRole:
         elif pending.transfer is None:
             error = pending.error or TransferError(f"no KV push was opened for {rid!r}")
         else:
+            with contextlib.suppress(InvalidStateError):  # failed meanwhile
+                pending.first.set_result(out)  # before the push's end: the router's is first
             pending.transfer.sampled(out.token_ids[0])
             with self._lock:
                 pending.output = out
@@ -418,6 +438,8 @@ class PrefillRole:
         """Under _lock: the prefill's one outcome; it is no longer under way."""
         if error is not None:
             pending.result.set_exception(error)
+            if not pending.first.done():
+                pending.first.set_exception(error)
         else:
             pending.result.set_result(result)
         if self._by_id.get(pending.request_id) is pending:

@@ -31,6 +31,7 @@ last token, aborts the request on every node it touched, which frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -57,6 +58,10 @@ _RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 # An Abort that got no answer is tried again (the node is unreachable or busy).
 _ABORT_RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                       grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Early starts only while fewer of this router's requests than this wait for their first
+# token on the prefill node: it holds at most as many early starts (prefill_node/role.py's
+# MAX_EARLY) and answers the rest "skipped", so a burst's early calls are only work for it.
+EARLY_MAX_IN_FLIGHT = 4
 _LAST_CHUNK_WAIT_S = 10.0  # a Generate call ended well: its last chunk is on its way
 _CALL_ENDED = object()
 
@@ -144,15 +149,25 @@ class Flow:
         queued_s = time.monotonic() - began  # in this router's queue
         held = cached.get(decode.address)
         uncached = len(request.prompt_token_ids) - (held.tokens if held else 0)
-        early = prefill is not None and self._early(prefill, request, uncached, decode)
+        early = None if prefill is None else self._early(prefill, request, uncached, decode)
+        plan.early = early is not None
         if prefill is not None:
             prefill.in_flight += 1
         try:
-            previous = None
-            async for chunk in self._generate(decode, pb.GenerateRequest(request=request,
-                                                                         prefill=plan)):
+            previous = None  # when the last chunk went to the client
+            seen = False  # the decode node's first chunk
+            repeat: _Repeat | None = None  # what that chunk brings again
+            chunks = self._generate(decode, pb.GenerateRequest(request=request, prefill=plan))
+            async for by_prefill, chunk in _first_from(chunks, early):
                 now = time.monotonic()
-                if previous is None:
+                if by_prefill:  # the early start's first token, ahead of the decode node's
+                    self.metrics.early_first_tokens.inc()
+                    repeat = _Repeat(chunk)
+                    previous = now
+                    yield chunk
+                    continue
+                if not seen:
+                    seen = True
                     self.metrics.queue_time.observe(queued_s + chunk.queued_s)
                     self._count_prefill(rid, chunk, prefill)
                     if early and not chunk.prefilled_by:  # computed on the decode node
@@ -161,7 +176,13 @@ class Flow:
                     if prefill is not None:
                         prefill.in_flight -= 1
                         prefill = None
-                else:
+                if repeat is not None:
+                    repeat.strip(chunk)
+                    if repeat.done:
+                        repeat = None
+                    if not (chunk.token_ids or chunk.text or chunk.finish_reason):
+                        continue
+                if previous is not None:
                     self.metrics.itl.observe(now - previous)
                     if chunk.token_ids:
                         self.pool.record_itl((now - previous) / len(chunk.token_ids), decode)
@@ -249,30 +270,36 @@ class Flow:
                 call.cancel()
 
     def _early(self, prefill: NodeClient, request: pb.Request, uncached: int,
-               decode: NodeClient) -> bool:
+               decode: NodeClient) -> asyncio.Task | None:
         """Start the prompt on `prefill` now, in the background (`early_prefill`); not a
         prompt the decode node will compute itself (the index says it lacks fewer than
         the threshold's tokens), nor while requests wait for blocks (in this router's
         queue, or the decode node's, as it last said): the sink would come late, while
-        the early prompt holds the prefill node's blocks. The
-        node may skip it (it is busy): the decode node's call starts it then."""
+        the early prompt holds the prefill node's blocks; nor while EARLY_MAX_IN_FLIGHT
+        requests wait for their first token there (a burst). The node may skip it (it is
+        busy): the decode node's call starts it then. The task's result: the node's
+        reply, which may bring the first token's chunk to send on (None if it failed)."""
         waiting = decode.stats.num_waiting if decode.stats is not None else 0
         if (not self.config.early_prefill or uncached < self.config.local_prefill_threshold
-                or self.queue.num_waiting or waiting):
-            return False
+                or self.queue.num_waiting or waiting
+                or prefill.in_flight >= EARLY_MAX_IN_FLIGHT):
+            return None
 
-        async def start() -> None:
+        async def start() -> pb.PrefillReply | None:
             try:
-                await prefill.stub.Prefill(pb.PrefillRequest(request=request),
-                                           timeout=self.config.timeouts.control_s)
+                return await prefill.stub.Prefill(
+                    pb.PrefillRequest(request=request, first_chunk=True),
+                    timeout=self.config.timeouts.prefill_s)
             except grpc.aio.AioRpcError as exc:
                 log.debug("early start of %s on %s failed: %s", request.request_id,
                           prefill.name, exc.details())
+                return None
 
         task = asyncio.get_running_loop().create_task(start())
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
-        return True
+        self.metrics.early_prefills.inc()
+        return task
 
     def _count_prefill(self, rid: str, chunk: pb.GenerateChunk,
                        prefill: NodeClient | None) -> None:
@@ -312,6 +339,61 @@ class Flow:
             task = asyncio.get_running_loop().create_task(abort(node))
             self._cleanup.add(task)
             task.add_done_callback(self._cleanup.discard)
+
+
+async def _first_from(chunks: AsyncIterator[pb.GenerateChunk], early: asyncio.Task | None
+                      ) -> AsyncIterator[tuple[bool, pb.GenerateChunk]]:
+    """The decode node's `chunks`, (False, chunk) each; and first (True, the early start's
+    first-token chunk) if that comes before the decode node's first chunk."""
+    it = aiter(chunks)
+    step = asyncio.ensure_future(anext(it))
+    try:
+        if early is not None:
+            await asyncio.wait((step, early), return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                reply = early.result()
+                if reply is not None and reply.HasField("first_chunk"):
+                    yield True, reply.first_chunk
+        try:
+            chunk = await step
+        except StopAsyncIteration:
+            return
+        yield False, chunk
+        async for chunk in it:
+            yield False, chunk
+    finally:
+        if not step.done():
+            step.cancel()  # the generator's own cleanup (its call cancelled) runs
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await step
+        await it.aclose()
+
+
+class _Repeat:
+    """The first token and text the client has (the early start's), which the decode
+    node's first chunks bring again: taken off them, or StreamBroken if they differ (a
+    prompt computed again after a failed push, and sampled otherwise)."""
+
+    def __init__(self, sent: pb.GenerateChunk) -> None:
+        self.token: int | None = sent.token_ids[0]
+        self.text = sent.text
+
+    @property
+    def done(self) -> bool:
+        return self.token is None and not self.text
+
+    def strip(self, chunk: pb.GenerateChunk) -> None:
+        if self.token is not None and chunk.token_ids:
+            if chunk.token_ids[0] != self.token:
+                raise StreamBroken("the prompt was computed again after its first token was "
+                                   "sent, and gave another")
+            del chunk.token_ids[0]
+            self.token = None
+        if self.text:
+            n = min(len(self.text), len(chunk.text))
+            if chunk.text[:n] != self.text[:n]:
+                raise StreamBroken("the decode node's text differs from the first token's")
+            chunk.text, self.text = chunk.text[n:], self.text[n:]
 
 
 def _merged(first: pb.GenerateChunk, then: pb.GenerateChunk) -> pb.GenerateChunk:

@@ -49,6 +49,12 @@ class RouterMetrics:
         self.streams = Counter("tandem:router_streams", "Requests by how their tokens came "
                                "from the decode node: batched in its Outputs stream, or in "
                                "the request's own call.", ["path"], registry=r)
+        self.early_prefills = Counter("tandem:router_early_prefills", "Prompts this router "
+                                      "asked a prefill node to start while their decode node "
+                                      "reserved blocks (the early start).", registry=r)
+        self.early_first_tokens = Counter(
+            "tandem:router_early_first_tokens", "First tokens sent to the client from the "
+            "early start's prefill node, ahead of the decode node's first chunk.", registry=r)
         self.errors = Counter("tandem:router_request_errors", "Requests that ended in an "
                               "error, by HTTP status.", ["status"], registry=r)
         self.planner_actions = Counter("tandem:planner_actions", "Role switches the planner "

@@ -1,11 +1,12 @@
 """A node's two processes (node/calls.py, node/front.py): the engine thread's per-step
 columns and the batches the front makes of them, exactly; the front loads no engine and
-follows its parent out."""
+follows its parent out; its Health answers while the engine's process is held."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -13,11 +14,15 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
+import pytest
+
 from tandem.engine.outputs import RequestOutput
 from tandem.node.aio import Bridge, new_event_loop
 from tandem.node.front import merge_columns
 from tandem.node.outbox import Chunks, ColumnOutbox
 from tandem.protos import node_pb2 as pb
+from tandem.protos import node_pb2_grpc as pb_grpc
 
 
 def _out(rid: str, tokens: list[int], delta: str, finish: str | None = None) -> RequestOutput:
@@ -125,3 +130,33 @@ def test_the_front_exits_once_its_parent_is_gone() -> None:
             parent.kill()
             if _running(front):
                 os.kill(front, 9)
+
+
+def test_health_answers_from_the_front_while_the_engines_process_is_held() -> None:
+    """Health is forwarded; while the engine's process does not answer (stopped here, as
+    a burst of calls or transfers would hold it), the front answers at once with the last
+    reply it saw; after a second without one, Health waits for that process again."""
+    from serving_helpers import node_address, start, stop
+
+    node = start(["node", "--role", "decode", "--model", "tiny", "--load-format", "dummy",
+                  "--skip-tokenizer-init", "--num-kv-blocks", "16"])
+    try:
+        with grpc.insecure_channel(node_address(node)) as channel:
+            stub = pb_grpc.NodeStub(channel)
+            first = stub.Health(pb.HealthRequest(), timeout=30)
+            time.sleep(0.5)  # the front's own poll has a reply too
+            os.kill(node.pid, signal.SIGSTOP)  # the engine's process; its front runs on
+            try:
+                began = time.monotonic()
+                held = stub.Health(pb.HealthRequest(), timeout=5)
+                took = time.monotonic() - began
+                time.sleep(1.2)
+                with pytest.raises(grpc.RpcError) as late:
+                    stub.Health(pb.HealthRequest(), timeout=0.5)
+            finally:
+                os.kill(node.pid, signal.SIGCONT)
+            assert took < 0.5 and held.pid == first.pid == node.pid and held.engine_alive
+            assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert stub.Health(pb.HealthRequest(), timeout=30).engine_alive
+    finally:
+        stop([node])

@@ -126,6 +126,9 @@ def test_a_burst_larger_than_the_cache_is_queued_and_served_in_order():
         queued = [v for n, labels, v in samples
                   if n == "tandem:request_queue_time_seconds_count"]
         assert queued == [240.0]
+        # The burst asked the prefill node for few early starts: it holds only a few.
+        early = _early_prefills(c.url)
+        assert early < 24, early
 
         # A burst whose clients all leave while queued leaves nothing behind...
         left = _burst(c.url, 200, max_tokens=64, leave_after=1.0)
@@ -133,11 +136,17 @@ def test_a_burst_larger_than_the_cache_is_queued_and_served_in_order():
         assert _settled(c.url) == {"tandem:num_requests_running": 0.0,
                                    "tandem:num_requests_waiting": 0.0,
                                    "tandem:kv_blocks_used": 0.0}
-        # ...and the next request is served at once.
+        # ...and the next request is served at once, its prompt started early.
+        early = _early_prefills(c.url)
         started = time.monotonic()
         after = _one(c.url)
         assert after.done and after.tokens == 8
         assert time.monotonic() - started < 5
+        assert _early_prefills(c.url) == early + 1
+
+
+def _early_prefills(url: str) -> float:
+    return sum(v for n, _, v in metric_samples(url) if n == "tandem:router_early_prefills_total")
 
 
 def test_past_the_queue_429_and_past_the_deadline_503_queue_timeout():
