@@ -249,6 +249,12 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                         "comes, while the decode node reserves its blocks, rather than when "
                         "the decode node calls it: the first token comes a hop and a "
                         "reservation sooner (default: on)")
+    g.add_argument("--prefix-pull", default="auto", choices=["auto", "always", "never"],
+                   help="a prefill node that holds less of a prompt's prefix than another "
+                        "node's device cache pulls those blocks from there before computing "
+                        "the rest: auto, where its measured pull rate beats its measured "
+                        "prefill rate (and until both are measured); always; never "
+                        "(default: %(default)s)")
     g.add_argument("--index", default="memory", metavar="memory|URL",
                    help="block-hash index for prefix-aware routing: memory (held by the "
                         "router, fed by the nodes' block events) or redis://host:port/db "

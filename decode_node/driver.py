@@ -53,7 +53,7 @@ class Driver:
                  secret: bytes | None) -> None:
         self.role, self.timeouts = role, timeouts
         self.connector_name, self.secret = connector_name, secret
-        self._peers: dict[str, auth.AuthedStub] = {}  # prefill nodes, by address
+        self._peers: dict[str, auth.AuthedStub] = {}  # prefill nodes and others, by address
         self._channels: list[grpc.aio.Channel] = []
 
     async def run(self, req: Request, msg: pb.Request, plan: pb.PrefillPlan | None,
@@ -153,8 +153,10 @@ class Driver:
         computed here (`head` says why)."""
         sink = convert.sink_to_pb(made.sink, made.first_block, self.connector_name)
         try:
-            reply = await self._peer(plan.address).Prefill(
-                pb.PrefillRequest(request=msg, sink=sink), timeout=timeout)
+            reply = await self.peer(plan.address).Prefill(
+                pb.PrefillRequest(request=msg, sink=sink,
+                                  pull=plan.pull if plan.HasField("pull") else None),
+                timeout=timeout)
             return reply.first_token
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details() or exc.code().name
@@ -178,7 +180,7 @@ class Driver:
         except TimeoutError:
             raise TransferError(f"the KV did not arrive within {timeout_s:g}s") from None
 
-    def _peer(self, address: str) -> auth.AuthedStub:
+    def peer(self, address: str) -> auth.AuthedStub:
         """A client of the prefill node at `address`, its channel kept for later calls."""
         stub = self._peers.get(address)
         if stub is None:

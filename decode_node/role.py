@@ -210,6 +210,13 @@ class DecodeRole:
         return self.loop.start(request_id, listener,
                                lambda e: e.start_decode(request_id, first_token))
 
+    def adopt(self, request_id: str) -> Future[None]:
+        """The reserved request's KV is in (a prefix pull's): keep its blocks in the
+        prefix cache, and let the reservation go."""
+        self._forget(self.agent.release(request_id))
+        self._arrivals.pop(request_id, None)
+        return self.loop.submit(lambda e: e.adopt_reserved(request_id))
+
     def drop_sink(self, request_id: str) -> None:
         """Fail the request's sink but keep its blocks reserved in the engine, to compute
         the prompt here (`compute_here`). Blocks while a write into them finishes."""

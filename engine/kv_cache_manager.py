@@ -34,16 +34,18 @@ class KVCacheManager:
         self.host = host
         self.pool.on_reuse = host.save
 
-    def find_cached_blocks(self, req: Request, promote: bool = False) -> list[Block]:
+    def find_cached_blocks(self, req: Request, promote: bool = False,
+                           whole: bool = False) -> list[Block]:
         """Longest cached prefix of the request's tokens, in whole blocks. At least one
-        token is always left to compute, since sampling needs the last token's logits.
-        With `promote`, blocks past the device's hits that the host tier holds are
-        copied into free device blocks first, while any are free."""
+        token is always left to compute, since sampling needs the last token's logits;
+        `whole`: not (a peer's pull reads blocks, it computes nothing). With `promote`,
+        blocks past the device's hits that the host tier holds are copied into free
+        device blocks first, while any are free."""
         if not self.enable_prefix_caching:
             return []
         tokens = req.all_token_ids
         self._update_hashes(req, tokens)
-        max_blocks = (len(tokens) - 1) // self.block_size
+        max_blocks = (len(tokens) - (0 if whole else 1)) // self.block_size
         hits: list[Block] = []
         bs = self.block_size
         for i, h in enumerate(req.block_hashes[:max_blocks]):

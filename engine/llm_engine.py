@@ -149,6 +149,7 @@ class LLMEngine:
         self.num_prompt_tokens_queried = 0  # prompt tokens of ended requests
         self.num_prompt_tokens_cached = 0
         self.num_prompt_tokens_cached_host = 0  # of those, copied back from the host tier
+        self.num_prompt_tokens_cached_peer = 0  # of those, pulled from a peer for the request
         self.num_generation_tokens = 0
         self.prompt_tokens_timed = 0  # prompt tokens of the steps timed below
         self.prompt_step_seconds = 0.0
@@ -259,6 +260,16 @@ class LLMEngine:
         if req is not None:
             self.scheduler.add_running(req)
         return req is not None
+
+    def adopt_reserved(self, request_id: str) -> None:
+        """The reserved request's prompt KV came from a peer (a prefix pull): its blocks
+        join the prefix cache and the request goes, leaving them there, free."""
+        req = self._reserved.pop(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.scheduler.kv.cache_computed_blocks(req)
+        self.scheduler.kv.free(req)
+        del self._requests[request_id]
+        self._detok.pop(request_id, None)
 
     def release_reserved(self, request_id: str) -> None:
         """Give back a reserved request's blocks; nothing if it is not reserved."""
@@ -458,6 +469,8 @@ class LLMEngine:
             req.output_token_ids.pop()  # aborted with a step in flight: never read
         self.num_prompt_tokens_cached += req.num_cached_tokens
         self.num_prompt_tokens_cached_host += req.num_host_cached_tokens
+        self.num_prompt_tokens_cached_peer += min(req.num_peer_cached_tokens,
+                                                  req.num_cached_tokens)
         self.num_prompt_tokens_queried += req.num_prompt_tokens
         self.scheduler.finish(req, status)
         self.runner.release(req.request_id)

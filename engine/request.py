@@ -54,6 +54,7 @@ class Request:
     # Prompt tokens whose KV came from the prefix cache instead of being computed.
     num_cached_tokens: int = 0
     num_host_cached_tokens: int = 0  # of those, copied back from the host tier
+    num_peer_cached_tokens: int = 0  # of those, pulled from a peer just before (node/pull.py)
     # Physical KV block ids, in order; block i holds tokens [i*bs, (i+1)*bs).
     block_ids: list[int] = field(default_factory=list)
     # Hash chain of the request's full blocks, extended as tokens arrive.

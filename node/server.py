@@ -52,8 +52,9 @@ from tandem.node.aio import Bridge, engine_call, new_event_loop
 from tandem.node.events import BlockEvents
 from tandem.node.loop import EngineLoop, LoopClosed
 from tandem.node.outbox import CallStream, Chunks, ColumnOutbox, Outbox
+from tandem.node.pull import Puller, StalePull, serve_pull
 from tandem.node.timeouts import TIMEOUTS, Timeouts
-from tandem.prefill_node.role import PrefillRole, sendable_first
+from tandem.prefill_node.role import PrefillRole, Pull, sendable_first
 from tandem.protos import node_pb2 as pb
 from tandem.protos import node_pb2_grpc as pb_grpc
 
@@ -169,6 +170,8 @@ class NodeService(pb_grpc.NodeServicer):
                                  transfer_port, advertise_host)
         self.driver = Driver(self.decode, timeouts, connector, secret)
         self.prefill = PrefillRole(self.loop, self._connector, self.layout, secret=secret)
+        self.puller = Puller(self.decode, self.driver.peer, connector, self.layout,
+                             timeouts.pull_s)
         self.events = BlockEvents("", index)
         engine.block_pool.on_event = self.events.on_event  # before any request runs
         self._tasks: dict[str, asyncio.Task] = {}  # Generate and Prefill calls, by request
@@ -250,7 +253,7 @@ class NodeService(pb_grpc.NodeServicer):
         if not request.HasField("sink"):  # an early start: a later call brings the sink
             trace.mark(rid, "prefill.early")
             req = self._request(request.request)
-            first = self.prefill.begin(req, self.timeouts.early_hold_s)
+            first = self.prefill.begin(req, self.timeouts.early_hold_s, self._pull(request))
             if first is None or not request.first_chunk:
                 return pb.PrefillReply()
             return await _first_chunk(req, first, context.time_remaining())
@@ -259,12 +262,33 @@ class NodeService(pb_grpc.NodeServicer):
             trace.mark(rid, "prefill.call")
             req = self._request(request.request, reserved=self.prefill.started(rid))
             started = time.monotonic()
-            result = await self.prefill.run(req, sink, first_block)
+            result = await self.prefill.run(req, sink, first_block, pull=self._pull(request))
             trace.mark(req.request_id, "prefill.reply")
         return pb.PrefillReply(first_token=result.first_token, cached_tokens=result.cached_tokens,
                                kv_bytes=result.kv_bytes, prefill_s=time.monotonic() - started)
 
+    def _pull(self, request: pb.PrefillRequest) -> Pull | None:
+        """The prompt's prefix pull, where the request names a peer that holds it."""
+        if not request.HasField("pull") or not request.pull.address:
+            return None
+        hint = request.pull
+        return lambda req: self.puller.pull(req, hint.address, hint.tokens)
+
     # -- either role -------------------------------------------------------------------
+
+    @_rpc
+    async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext
+                   ) -> pb.PullReply:
+        self._serving(self.role, new_work=False)  # a drained node still serves its blocks
+        req = self._request(request.request, reserved=True)  # its id is the puller's
+        sink, first_block = convert.sink_from_pb(request.sink)
+        try:
+            sent = await serve_pull(self.loop, self._connector, self.prefill.rows, self.layout,
+                                    req, sink, first_block, self.secret)
+        except StalePull as exc:
+            raise Status(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        return pb.PullReply(kv_bytes=sent)
+
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> pb.AbortReply:
@@ -324,6 +348,9 @@ class NodeService(pb_grpc.NodeServicer):
             host_load_seconds=e.host_tier.timed_seconds if e.host_tier else 0.0,
             steps_decode_graph=steps["decode_graph"], steps_prefill_graph=steps["prefill_graph"],
             steps_eager=steps["eager"],
+            prompt_tokens_cached_peer=e.num_prompt_tokens_cached_peer,
+            kv_bytes_pulled=self.puller.pulled_bytes, pulls_failed=self.puller.pulls_failed,
+            kv_pull_seconds=self.puller.pull_seconds,
         )
 
     @_rpc

@@ -4,7 +4,8 @@ The chain of one request (decode-first): the router's Generate call lives at mos
 `generate_s`; in it the decode node reserves the prompt's blocks under a lease of
 `prefill_s + transfer_grace_s` and calls the prefill node with a deadline of `prefill_s`;
 the prefill node drops work whose sink has expired, and a prompt the router started early
-there whose sink has not come within `early_hold_s`; a reservation made by `Reserve`
+there whose sink has not come within `early_hold_s`; a prefix pulled from a peer is
+computed instead if it has not come within `pull_s`; a reservation made by `Reserve`
 alone lives `reserve_ttl_s` (at most `max_ttl_s`) in every state until a Generate takes
 it. Aborts are retried until a node answers or the longest lease has lapsed (then the
 lease has freed the blocks anyway).
@@ -26,6 +27,7 @@ class Timeouts:
     control_s: float = 5.0  # Health, Stats, Abort
     abort_retry_s: float = 1.0  # between tries of an Abort that got no answer
     engine_stall_s: float = 60.0  # no step ends for this long with work queued: not alive
+    pull_s: float = 10.0  # a prefix pull from a peer, reserve to arrival: then computed
 
     @property
     def lease_s(self) -> float:

@@ -47,9 +47,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field, replace
 
@@ -66,6 +67,8 @@ from tandem.kvtransfer.sender import KVPush
 from tandem.kvtransfer.staging import KVRows
 from tandem.node.loop import EngineLoop
 from tandem.prefill_node.transfer import Target, Transfer, transfer_error
+
+log = logging.getLogger(__name__)
 
 # A push may outlive its sink's expiry by this much: the receiver's abort for an expired
 # sink, or its `done` for one that became ready just in time, is still on its way.
@@ -96,6 +99,11 @@ def sendable_first(params: SamplingParams, out: RequestOutput) -> bool:
     return (out.finish_reason == "length" and (params.max_tokens is None or params.max_tokens > 1)
             and not params.stop and params.logprobs is None and params.n == 1
             and not out.delta.endswith("\ufffd"))
+
+
+# A prefix pull before a prompt is added (node/pull.py's Puller, with its peer): the
+# prompt tokens that came, 0 if none (it never raises).
+Pull = Callable[[Request], Awaitable[int]]
 
 
 @dataclass(frozen=True)
@@ -145,6 +153,7 @@ class PrefillRole:
         self._by_id: dict[str, _Pending] = {}
         self._live: set[Transfer] = set()
         self._started: dict[str, None] = {}
+        self._pulls: set[asyncio.Task] = set()  # prefixes being pulled, then added
         self.kv_bytes_sent = 0
         self.kv_transfer_seconds = 0.0  # summed over pushes, the hook to the receiver's done
         self.transfers_failed = 0
@@ -159,8 +168,13 @@ class PrefillRole:
         loop.engine.prefill_hook = self._hook
         loop.engine.prefill_layerwise = not self._whole
 
+    @property
+    def rows(self) -> KVRows:
+        """The engine's KV cache as pushes read it (a peer's pull reads it too)."""
+        return self._rows
+
     async def run(self, req: Request, sink: SinkInfo, first_block: int,
-                  timeout_s: float = 120.0) -> PrefillResult:
+                  timeout_s: float = 120.0, pull: Pull | None = None) -> PrefillResult:
         """Compute `req`'s prompt (or take up its early start) and push blocks
         first_block.. of it into `sink`. Raises ValueError for a bad request,
         TransferError when the push failed (or the sink expired). Waits until the sink's
@@ -170,7 +184,7 @@ class PrefillRole:
         wait_s = self._check(req, sink, first_block, timeout_s)
         pending = self._attach(req, (sink, first_block), wait_s)
         if pending is None:
-            pending = self._add(req, (sink, first_block), wait_s)
+            pending = self._add(req, (sink, first_block), wait_s, pull)
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending.result)),
                                           max(0.0, pending.deadline - time.monotonic()))
@@ -188,7 +202,8 @@ class PrefillRole:
         """`run`, for a caller on no event loop (a script, a test thread)."""
         return asyncio.run(self.run(req, sink, first_block, timeout_s))
 
-    def begin(self, req: Request, hold_s: float) -> Future[RequestOutput] | None:
+    def begin(self, req: Request, hold_s: float, pull: Pull | None = None
+              ) -> Future[RequestOutput] | None:
         """An early start: compute `req`'s prompt now, its sink to come with a later `run`
         (within `hold_s`, else it is dropped). On the asyncio loop. Skipped, and the later
         `run` starts it, while the engine has prompts waiting, while early starts that
@@ -206,7 +221,7 @@ class PrefillRole:
                 return None
             pending = self._register(_Pending(rid, list(req.prompt_token_ids),
                                               time.monotonic() + hold_s, hold_s, early=True))
-        self._submit_add(req, pending)
+        self._submit_add(req, pending, pull)
         asyncio.get_running_loop().call_later(hold_s, self._lapse, pending)
         return pending.first
 
@@ -269,13 +284,14 @@ class PrefillRole:
         trace.mark(req.request_id, "prefill.attached")
         return pending
 
-    def _add(self, req: Request, target: Target, wait_s: float) -> _Pending:
+    def _add(self, req: Request, target: Target, wait_s: float, pull: Pull | None
+             ) -> _Pending:
         pending = _Pending(req.request_id, list(req.prompt_token_ids),
                            time.monotonic() + wait_s, wait_s)
         pending.target.set_result(target)
         with self._lock:
             self._register(pending)
-        self._submit_add(req, pending)
+        self._submit_add(req, pending, pull)
         return pending
 
     def _register(self, pending: _Pending) -> _Pending:
@@ -287,13 +303,30 @@ class PrefillRole:
             del self._started[next(iter(self._started))]
         return pending
 
-    def _submit_add(self, req: Request, pending: _Pending) -> None:
+    def _submit_add(self, req: Request, pending: _Pending, pull: Pull | None = None,
+                    peer_tokens: int = 0) -> None:
         """Add the prompt (one token to sample) on the loop thread. Not awaited: this
-        loop's wake-up would come during the prompt's step."""
+        loop's wake-up would come during the prompt's step. With `pull`, on the asyncio
+        loop: its prefix is pulled from a peer first (never failing: computed if not)."""
+        if pull is not None:
+            async def pulled_then_add() -> None:
+                try:
+                    pulled = await pull(req)
+                except Exception:  # noqa: BLE001 - a bug in the pull: compute the prompt
+                    log.exception("pull of %s's prefix failed", req.request_id)
+                    pulled = 0
+                if not pending.result.done():  # its caller may have given up meanwhile
+                    self._submit_add(req, pending, peer_tokens=pulled)
+
+            task = asyncio.ensure_future(pulled_then_add())
+            self._pulls.add(task)
+            task.add_done_callback(self._pulls.discard)
+            return
         params = req.params
         one = Request(req.request_id, req.prompt_token_ids,
                       replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)),
                       cache_salt=req.cache_salt)
+        one.num_peer_cached_tokens = peer_tokens
         rid = req.request_id
 
         def add(engine: LLMEngine) -> None:

@@ -84,6 +84,11 @@ class NodeStub:
                 request_serializer=tandem_dot_protos_dot_node__pb2.BlockEventsRequest.SerializeToString,
                 response_deserializer=tandem_dot_protos_dot_node__pb2.BlockEventBatch.FromString,
                 _registered_method=True)
+        self.Pull = channel.unary_unary(
+                '/tandem.node.v1.Node/Pull',
+                request_serializer=tandem_dot_protos_dot_node__pb2.PullRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_node__pb2.PullReply.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -172,6 +177,15 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pull(self, request, context):
+        """Either role, draining too: push the leading blocks of `request`'s prompt that this
+        node's prefix cache holds into the caller's sink (a peer's prefix pull), holding them
+        until every read is done; FAILED_PRECONDITION if they are not all cached here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -224,6 +238,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.BlockEvents,
                     request_deserializer=tandem_dot_protos_dot_node__pb2.BlockEventsRequest.FromString,
                     response_serializer=tandem_dot_protos_dot_node__pb2.BlockEventBatch.SerializeToString,
+            ),
+            'Pull': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pull,
+                    request_deserializer=tandem_dot_protos_dot_node__pb2.PullRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_node__pb2.PullReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -496,6 +515,33 @@ class Node:
             '/tandem.node.v1.Node/BlockEvents',
             tandem_dot_protos_dot_node__pb2.BlockEventsRequest.SerializeToString,
             tandem_dot_protos_dot_node__pb2.BlockEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.node.v1.Node/Pull',
+            tandem_dot_protos_dot_node__pb2.PullRequest.SerializeToString,
+            tandem_dot_protos_dot_node__pb2.PullReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,7 +45,7 @@ from tandem.router.admission import DecodeQueue
 from tandem.router.index import RouterIndex
 from tandem.router.limits import Limits
 from tandem.router.metrics import RouterMetrics
-from tandem.router.pool import NodeClient, OutputsClosed, Pool
+from tandem.router.pool import Cached, NodeClient, OutputsClosed, Pool
 from tandem.router.protocol import APIError
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,9 @@ _ABORT_RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCE
 # token on the prefill node: it holds at most as many early starts (prefill_node/role.py's
 # MAX_EARLY) and answers the rest "skipped", so a burst's early calls are only work for it.
 EARLY_MAX_IN_FLIGHT = 4
+# A prefix pull from a peer is asked for only where it brings at least this many tokens
+# more than the prefill node holds (node/pull.py pulls whole blocks, two at least).
+MIN_PULL_TOKENS = 32
 _LAST_CHUNK_WAIT_S = 10.0  # a Generate call ended well: its last chunk is on its way
 _CALL_ENDED = object()
 
@@ -75,6 +78,7 @@ class FlowConfig:
     local_prefill_threshold: int = 0  # uncached tokens below this: prefill on the decode node
     on_transfer_failure: str = "recompute"  # or "fail"
     early_prefill: bool = True  # start the prefill node's compute while the decode reserves
+    prefix_pull: str = "auto"  # pull a prefix a peer holds: auto (by cost), always, never
     max_attempts: int = 3  # decode nodes tried per request (a node with no room is no try)
     max_queued_requests: int = Limits.max_queued_requests
     queue_timeout_s: float = Limits.queue_timeout_s
@@ -138,18 +142,21 @@ class Flow:
         rid = request.request_id
         cached = await self.index.cached_tokens(request.prompt_token_ids)
         prefill = self.pool.pick_prefill(len(request.prompt_token_ids), cached)
+        pull = None if prefill is None else self._pull(prefill, cached)
         touched = [decode] if prefill is None else [decode, prefill]
         plan = pb.PrefillPlan(
             address=prefill.address if prefill is not None else "",
             local_prefill_threshold=self.config.local_prefill_threshold,
             timeout_s=self.config.timeouts.prefill_s,
             fail_on_error=self.config.on_transfer_failure == "fail",
+            pull=pull,
         )
         finished = False
         queued_s = time.monotonic() - began  # in this router's queue
         held = cached.get(decode.address)
         uncached = len(request.prompt_token_ids) - (held.tokens if held else 0)
-        early = None if prefill is None else self._early(prefill, request, uncached, decode)
+        early = (None if prefill is None
+                 else self._early(prefill, request, uncached, decode, pull))
         plan.early = early is not None
         if prefill is not None:
             prefill.in_flight += 1
@@ -269,8 +276,30 @@ class Flow:
             if not finished:  # the node aborts the request when its call is cancelled
                 call.cancel()
 
+    def _pull(self, prefill: NodeClient, cached: dict[str, Cached]) -> pb.PeerPrefix | None:
+        """Where `prefill` should pull the prompt's prefix from: the reachable node whose
+        device holds the most more of it than `prefill` does (at least MIN_PULL_TOKENS;
+        ties: a prefill node); with `prefix_pull` auto, only where a pulled token costs
+        less than a computed one there."""
+        if self.config.prefix_pull == "never":
+            return None
+        own = cached.get(prefill.address)
+        best: tuple[int, bool, NodeClient] | None = None
+        for node in self.pool.nodes:
+            held = cached.get(node.address)
+            if node is prefill or held is None or not node.reachable:
+                continue
+            key = (held.device_tokens, node in self.pool.prefill, node)
+            if best is None or key[:2] > best[:2]:
+                best = key
+        if best is None or best[0] - (own.tokens if own else 0) < MIN_PULL_TOKENS:
+            return None
+        if self.config.prefix_pull == "auto" and prefill.pull_token_cost() >= 1.0:
+            return None
+        return pb.PeerPrefix(address=best[2].address, tokens=best[0])
+
     def _early(self, prefill: NodeClient, request: pb.Request, uncached: int,
-               decode: NodeClient) -> asyncio.Task | None:
+               decode: NodeClient, pull: pb.PeerPrefix | None) -> asyncio.Task | None:
         """Start the prompt on `prefill` now, in the background (`early_prefill`); not a
         prompt the decode node will compute itself (the index says it lacks fewer than
         the threshold's tokens), nor while requests wait for blocks (in this router's
@@ -288,7 +317,7 @@ class Flow:
         async def start() -> pb.PrefillReply | None:
             try:
                 return await prefill.stub.Prefill(
-                    pb.PrefillRequest(request=request, first_chunk=True),
+                    pb.PrefillRequest(request=request, first_chunk=True, pull=pull),
                     timeout=self.config.timeouts.prefill_s)
             except grpc.aio.AioRpcError as exc:
                 log.debug("early start of %s on %s failed: %s", request.request_id,

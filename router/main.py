@@ -46,7 +46,7 @@ def flow_config(args: argparse.Namespace) -> FlowConfig:
         raise ValueError("--max-queued-requests must be 0 or more, --queue-timeout above 0")
     return FlowConfig(local_prefill_threshold=args.local_prefill_threshold,
                       on_transfer_failure=args.on_transfer_failure,
-                      early_prefill=args.early_prefill,
+                      early_prefill=args.early_prefill, prefix_pull=args.prefix_pull,
                       max_queued_requests=args.max_queued_requests,
                       queue_timeout_s=args.queue_timeout)
 

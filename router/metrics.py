@@ -122,8 +122,13 @@ class _NodeCollector(Collector):
                                             "cache (of requests that ended)."),
             "prefix_cache_hits": counter("prefix_cache_hits",
                                          "Prompt tokens found in the node's prefix cache, by "
-                                         "tier: device, or host (copied back from the node's "
-                                         "host tier).", labels=("tier",)),
+                                         "tier: device, host (copied back from the node's "
+                                         "host tier), or peer (pulled from another node "
+                                         "for the request).", labels=("tier",)),
+            "kv_pulled_bytes": counter("kv_pulled_bytes", "KV bytes the node pulled from "
+                                       "peers' prefix caches."),
+            "kv_pulls_failed": counter("kv_pulls_failed", "Prefix pulls from peers that "
+                                       "failed (the prompt was computed)."),
             "kv_host_usage": gauge("kv_host_usage",
                                    "The node's host KV tier in use, 0 to 1 (nodes with one)."),
             "num_preemptions": counter("num_preemptions",
@@ -161,10 +166,13 @@ class _NodeCollector(Collector):
             families["kv_blocks_used"].add_metric(label, used)
             families["node_prompt_tokens_computed"].add_metric(label, s.prompt_tokens_computed)
             families["prefix_cache_queries"].add_metric(label, s.prefix_cache_queries)
-            host = s.prompt_tokens_cached_host
+            host, peer = s.prompt_tokens_cached_host, s.prompt_tokens_cached_peer
             families["prefix_cache_hits"].add_metric([*label, "device"],
-                                                     s.prompt_tokens_cached - host)
+                                                     s.prompt_tokens_cached - host - peer)
             families["prefix_cache_hits"].add_metric([*label, "host"], host)
+            families["prefix_cache_hits"].add_metric([*label, "peer"], peer)
+            families["kv_pulled_bytes"].add_metric(label, s.kv_bytes_pulled)
+            families["kv_pulls_failed"].add_metric(label, s.pulls_failed)
             if s.kv_host_blocks_total:
                 families["kv_host_usage"].add_metric(
                     label, s.kv_host_blocks_used / s.kv_host_blocks_total)

@@ -195,6 +195,28 @@ class NodeClient:
         return computed_per_s / loaded_per_s
 
 
+    def pull_token_cost(self) -> float:
+        """What a prompt token pulled here from a peer costs, in tokens computed here: its
+        KV bytes over this node's measured pull rate (call to arrival), against its
+        measured prefill rate; 0 (as good as a hit) until both are measured."""
+        s, h = self.stats, self.health
+        if s is None or h is None or not (s.prompt_step_seconds and s.kv_pull_seconds):
+            return 0.0
+        computed_per_s = s.prompt_tokens_timed / s.prompt_step_seconds
+        pulled_per_s = s.kv_bytes_pulled / s.kv_pull_seconds
+        return computed_per_s * token_bytes(h.layout) / pulled_per_s
+
+
+def token_bytes(layout: pb.KVLayout) -> int:
+    """One token's KV, every layer, keys and values."""
+    size = _DTYPE_BYTES.get(layout.dtype.removeprefix("torch."), 2)
+    return 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * size
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
+                "float8_e5m2": 1}
+
+
 class PoolListener(Protocol):
     def added(self, node: NodeClient) -> None: ...
     def removed(self, node: NodeClient) -> None: ...
