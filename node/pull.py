@@ -14,7 +14,8 @@ A pull that fails (the holder is gone or slow, its blocks were evicted, the secr
 wrong, the sink expired) gives the blocks back, and the prompt is computed whole.
 
 The holder (`serve_pull`, either role, draining too): finds the prefix in its device
-cache, holds those blocks (a reference: nothing evicts or rewrites them) while it pushes
+cache (blocks its host tier holds are copied back into device blocks first), holds those
+blocks (a reference: nothing evicts or rewrites them) while it pushes
 them into the puller's sink with `KVPush`, every layer computed, as a prefill push does,
 and hands the reference back once every read of them is done. The push gives up at the
 sink's expiry: that is the lease.
@@ -64,7 +65,7 @@ async def serve_pull(loop: EngineLoop, connector: Connector, rows: KVRows, layou
     stop = first_block + len(sink.block_ids)
 
     def hold(engine: LLMEngine) -> list[Block]:
-        hits = engine.scheduler.kv.find_cached_blocks(req, whole=True)
+        hits = engine.scheduler.kv.find_cached_blocks(req, promote=True, whole=True)
         if len(hits) < stop:
             raise StalePull(f"{len(hits)} of the prefix's {stop} blocks are cached here")
         blocks = hits[first_block:stop]

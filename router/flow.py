@@ -45,7 +45,7 @@ from tandem.router.admission import DecodeQueue
 from tandem.router.index import RouterIndex
 from tandem.router.limits import Limits
 from tandem.router.metrics import RouterMetrics
-from tandem.router.pool import Cached, NodeClient, OutputsClosed, Pool
+from tandem.router.pool import MIN_PULL_TOKENS, Cached, NodeClient, OutputsClosed, Pool
 from tandem.router.protocol import APIError
 
 log = logging.getLogger(__name__)
@@ -62,9 +62,6 @@ _ABORT_RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCE
 # token on the prefill node: it holds at most as many early starts (prefill_node/role.py's
 # MAX_EARLY) and answers the rest "skipped", so a burst's early calls are only work for it.
 EARLY_MAX_IN_FLIGHT = 4
-# A prefix pull from a peer is asked for only where it brings at least this many tokens
-# more than the prefill node holds (node/pull.py pulls whole blocks, two at least).
-MIN_PULL_TOKENS = 32
 _LAST_CHUNK_WAIT_S = 10.0  # a Generate call ended well: its last chunk is on its way
 _CALL_ENDED = object()
 
@@ -141,7 +138,8 @@ class Flow:
         Its TTFT (since `began`) counts for both nodes, its ITL for the decode node."""
         rid = request.request_id
         cached = await self.index.cached_tokens(request.prompt_token_ids)
-        prefill = self.pool.pick_prefill(len(request.prompt_token_ids), cached)
+        prefill = self.pool.pick_prefill(len(request.prompt_token_ids), cached,
+                                         pull=self.config.prefix_pull)
         pull = None if prefill is None else self._pull(prefill, cached)
         touched = [decode] if prefill is None else [decode, prefill]
         plan = pb.PrefillPlan(
@@ -277,26 +275,20 @@ class Flow:
                 call.cancel()
 
     def _pull(self, prefill: NodeClient, cached: dict[str, Cached]) -> pb.PeerPrefix | None:
-        """Where `prefill` should pull the prompt's prefix from: the reachable node whose
-        device holds the most more of it than `prefill` does (at least MIN_PULL_TOKENS;
-        ties: a prefill node); with `prefix_pull` auto, only where a pulled token costs
-        less than a computed one there."""
+        """Where `prefill` should pull the prompt's prefix from: the reachable node that
+        holds the most of it, in either tier (ties: a prefill node), if that is at least
+        MIN_PULL_TOKENS more than `prefill` holds; with `prefix_pull` auto, only where a
+        pulled token costs less than a computed one there."""
         if self.config.prefix_pull == "never":
             return None
         own = cached.get(prefill.address)
-        best: tuple[int, bool, NodeClient] | None = None
-        for node in self.pool.nodes:
-            held = cached.get(node.address)
-            if node is prefill or held is None or not node.reachable:
-                continue
-            key = (held.device_tokens, node in self.pool.prefill, node)
-            if best is None or key[:2] > best[:2]:
-                best = key
-        if best is None or best[0] - (own.tokens if own else 0) < MIN_PULL_TOKENS:
+        holder = next(((tokens, node) for tokens, _, node in self.pool.peer_prefixes(cached)
+                       if node is not prefill), None)
+        if holder is None or holder[0] - (own.tokens if own else 0) < MIN_PULL_TOKENS:
             return None
         if self.config.prefix_pull == "auto" and prefill.pull_token_cost() >= 1.0:
             return None
-        return pb.PeerPrefix(address=best[2].address, tokens=best[0])
+        return pb.PeerPrefix(address=holder[1].address, tokens=holder[0])
 
     def _early(self, prefill: NodeClient, request: pb.Request, uncached: int,
                decode: NodeClient, pull: pb.PeerPrefix | None) -> asyncio.Task | None:

@@ -207,6 +207,14 @@ class NodeClient:
         return computed_per_s * token_bytes(h.layout) / pulled_per_s
 
 
+# A prefix pull from a peer is asked for only where it brings at least this many tokens
+# more than the prefill node holds (node/pull.py pulls whole blocks, two at least).
+MIN_PULL_TOKENS = 32
+# What a pulled token costs at least, in computed tokens: a node holding a prefix itself
+# beats one that would pull it, all else equal.
+_PULL_OVER_HIT = 1e-3
+
+
 def token_bytes(layout: pb.KVLayout) -> int:
     """One token's KV, every layer, keys and values."""
     size = _DTYPE_BYTES.get(layout.dtype.removeprefix("torch."), 2)
@@ -322,6 +330,14 @@ class Pool:
             await asyncio.sleep(POLL_S)
             await node.poll()
 
+    def peer_prefixes(self, cached: dict[str, Cached]) -> list[tuple[int, bool, NodeClient]]:
+        """The reachable nodes that hold some of a prompt (`cached`, by address), most
+        first (ties: prefill nodes first): (tokens held, in either tier; is a prefill
+        node; the node)."""
+        held = [(cached[n.address].tokens, n in self.prefill, n) for n in self.nodes
+                if n.reachable and n.address in cached]
+        return sorted(held, key=lambda h: h[:2], reverse=True)
+
     def pick_decode(self, exclude: set[NodeClient] = frozenset()) -> NodeClient | None:
         """Power of two choices among the healthy decode nodes, by load."""
         up = [n for n in self.decode if n.healthy and n not in exclude]
@@ -330,18 +346,25 @@ class Pool:
         return min(random.sample(up, 2), key=NodeClient.load)
 
     def pick_prefill(self, num_tokens: int, cached: dict[str, Cached] | None = None,
-                     token_weight: float = 1.0,
-                     exclude: set[NodeClient] = frozenset()) -> NodeClient | None:
+                     token_weight: float = 1.0, exclude: set[NodeClient] = frozenset(),
+                     pull: str = "never") -> NodeClient | None:
         """The healthy prefill node with the least work for a `num_tokens` prompt: the
         tokens it would compute (less what it holds of the prompt, `cached`, by
-        address), and those it holds in its host tier at their measured cost
-        (`host_token_cost`), times `token_weight`, plus the prefill tokens queued there."""
+        address), those it holds in its host tier at their measured cost
+        (`host_token_cost`), and with `pull` (auto, always) those it would pull from the
+        peer that holds the most of them at theirs (`pull_token_cost`; always: none),
+        times `token_weight`, plus the prefill tokens queued there."""
         cached = cached or {}
+        peers = self.peer_prefixes(cached) if pull != "never" else []
 
         def cost(n: NodeClient) -> float:
             held = cached.get(n.address, Cached(0, 0))
             host = held.tokens - held.device_tokens
             work = num_tokens - held.tokens + host * n.host_token_cost()
+            pullable = next((t for t, _, peer in peers if peer is not n), 0) - held.tokens
+            if pullable >= MIN_PULL_TOKENS:  # dearer than a hit here, whatever is measured
+                price = 0.0 if pull == "always" else min(1.0, n.pull_token_cost())
+                work -= pullable * (1.0 - max(price, _PULL_OVER_HIT))
             return work * token_weight + n.queued_prefill_tokens() + n.in_flight
 
         up = [n for n in self.prefill if n.healthy and n not in exclude]

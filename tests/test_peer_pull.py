@@ -162,3 +162,32 @@ def test_a_holder_killed_in_the_middle_of_a_pull_leaves_it_computed(pool: Cluste
     assert now[b]["kv_pulls_failed_total"] == before[b]["kv_pulls_failed_total"] + 1
     assert now[b]["prefix_cache_hits_total:peer"] == before[b]["prefix_cache_hits_total:peer"]
     assert now[b]["kv_blocks_used"] == 0 and now[decode]["kv_blocks_used"] == 0
+
+
+def test_a_prefix_in_the_holders_host_tier_is_pulled_too(offline: LLM) -> None:
+    """The devices are too small to keep the prefix: it sits in the holders' host tiers
+    when B pulls it, and the holder copies it back to its device to push it."""
+    engine = ["--num-kv-blocks", "48", "--max-model-len", "1024", "--kv-host-gib", "0.05"]
+    prefix, follow_up = _prompt(5), _prompt(5) + _prompt(6, 40)
+    others = [_prompt(10 + i) for i in range(3)]  # each fills most of a device cache
+    want = [o.text for o in offline.generate([prefix, follow_up, *others], GREEDY)]
+    redis = RedisServer().start()
+    try:
+        with cluster(2, 1, SECRET, engine, index=redis.url,
+                     router_flags=["--prefix-pull", "always"]) as c:
+            before = _by_node(c.url)
+            assert _complete(c.url, prefix) == want[0]
+            a = _computed_on(c, before)
+            b = next(c.addresses[p.pid] for p in c.prefill if c.addresses[p.pid] != a)
+            _drain(b, True)  # the others go to a too, and push the prefix out of its device
+            assert [_complete(c.url, p) for p in others] == want[2:]
+            _drain(b, False)
+            _drain(a, True)
+            before = _by_node(c.url)
+            assert _complete(c.url, follow_up) == want[1]
+            now = _settled(c.url, lambda m: m[b]["prefix_cache_hits_total:peer"]
+                           > before[b]["prefix_cache_hits_total:peer"])
+            # Every node's device lost the prefix to the others: it came from a host tier.
+            assert now[b]["prefix_cache_hits_total:peer"] >= 304
+    finally:
+        redis.stop()

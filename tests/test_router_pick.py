@@ -1,7 +1,8 @@
 """The router's choice of prefill node prices what each node holds of a prompt: a device
 hit is free, a token in a node's host tier costs that node's measured prefill rate over
 its measured host-tier rate (in computed tokens), and until both are measured it counts
-as a device hit."""
+as a device hit; a token it could pull from a peer, its measured prefill rate over its
+measured pull rate (never below a hit of its own)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,29 @@ def test_a_host_hit_costs_the_nodes_measured_rates() -> None:
     assert a.host_token_cost() == 0.0625
     assert pool.pick_prefill(1024, cached) is a
     assert pool.pick_prefill(1024, {}) in (a, b)  # nothing cached: load alone
+
+
+def test_a_peer_pull_costs_the_nodes_measured_rates_and_never_beats_a_hit() -> None:
+    """b may pull the 1,024 tokens a's device holds: priced by b's measured pull rate
+    against its prefill rate, always dearer than a's own hit, and not at all with pulls
+    off."""
+    layout = pb.KVLayout(block_size=16, num_layers=2, num_kv_heads=1, head_dim=64,
+                         dtype="float32")  # 1 KiB a token
+    pool = Pool(["a:1", "b:1"], [])
+    a, b = pool.prefill
+    cached = {"a:1": Cached(1024, 1024)}
+    for node in (a, b):
+        _up(node)
+        node.health.layout.CopyFrom(layout)
+    a.stats.queued_prefill_tokens = 600  # a is busy: 600 queued tokens
+    assert pool.pick_prefill(2048, cached, pull="never") is a  # 1,624 against b's 2,048
+    assert pool.pick_prefill(2048, cached, pull="auto") is b  # not measured: a pull is ~free
+    # b computes 10,000 tokens/s and pulls 2 MB/s: a pulled token costs 5 computed ones.
+    _up(b, prompt_tokens_timed=10_000, prompt_step_seconds=1.0, kv_bytes_pulled=2_048_000,
+        kv_pull_seconds=1.0)
+    b.health.layout.CopyFrom(layout)
+    assert b.pull_token_cost() == 5.0
+    assert pool.pick_prefill(2048, cached, pull="auto") is a
+    assert pool.pick_prefill(2048, cached, pull="always") is b
+    a.stats.queued_prefill_tokens = 0  # idle: a's own hit beats any pull
+    assert pool.pick_prefill(2048, cached, pull="always") is a
