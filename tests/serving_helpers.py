@@ -40,6 +40,7 @@ def cluster(prefill: int, decode: int, secret: str, engine: list[str],
     """`tandem node` processes and a `tandem router` over them, all with `secret` (from
     the environment, as a deployment would pass it), until the block ends; stopped even
     when a test left one of them SIGSTOPped."""
+    before = os.environ.get(CLUSTER_SECRET_ENV)  # a cluster around this one keeps its own
     os.environ[CLUSTER_SECRET_ENV] = secret  # every process reads it from here
     indexed = ["--index", index] if index else []
     nodes = ([start(["node", "--role", "prefill", *engine, *indexed]) for _ in range(prefill)]
@@ -60,7 +61,10 @@ def cluster(prefill: int, decode: int, secret: str, engine: list[str],
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGCONT)
         stop(procs)
-        del os.environ[CLUSTER_SECRET_ENV]
+        if before is None:
+            del os.environ[CLUSTER_SECRET_ENV]
+        else:
+            os.environ[CLUSTER_SECRET_ENV] = before
 
 
 def start(args: list[str]) -> subprocess.Popen:
