@@ -8,7 +8,8 @@ Formats: fp32 through torch's GEMM (MKL); fp32 and bf16 weights packed once by o
 (`engine/cpu_linear.py`'s path; bf16 activations in and fp32 out); int8 weights with
 per-channel scales (`aten._weight_int8pack_mm`); int4 in groups of 32 with scales and
 zero points (`aten._weight_int4pack_mm_for_cpu`). The weights are random: only speed is
-measured here.
+measured here. A format this CPU or this torch build cannot run (oneDNN's bf16 packing on
+a CPU without AVX-512, say) is reported as unsupported, with its error, and skipped.
 """
 
 from __future__ import annotations
@@ -45,28 +46,53 @@ def time_us(fn: Callable[[], object], seconds: float = 0.3) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
-def formats(w: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    n, k = w.shape
-    fp32_packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-    bf16_packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), rows)
+Gemm = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _packed(w: torch.Tensor, rows: int, bf16: bool) -> Gemm:
+    weight = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16() if bf16 else w, rows)
+    if bf16:
+        return lambda x: torch.ops.mkldnn._linear_pointwise(
+            x.bfloat16(), weight, None, "none", [], "").float()
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def _int8(w: torch.Tensor) -> Gemm:
     scale = w.abs().amax(1) / 127
     int8 = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return lambda x: torch.ops.aten._weight_int8pack_mm(x, int8, scale)
+
+
+def _int4(w: torch.Tensor) -> Gemm:
+    n, k = w.shape
     groups = w.view(n, k // GROUP, GROUP)
     lo, hi = groups.amin(-1), groups.amax(-1)
     step = (hi - lo).clamp(min=1e-6) / 15
     q4 = torch.round((groups - lo[..., None]) / step[..., None]).clamp(0, 15)
     int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.view(n, k).to(torch.int32), 1)
     scales_zeros = torch.stack([step.t(), (lo + 8 * step).t()], -1).contiguous()
+    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4, GROUP, scales_zeros)
+
+
+def formats(w: torch.Tensor, rows: int) -> dict[str, Callable[[], Gemm]]:
+    """Each format's maker: it prepares the weight (packing, quantizing) and returns the
+    GEMM; either step raises where this CPU or torch build lacks the format."""
     return {
-        "fp32 (MKL)": lambda x: F.linear(x, w),
-        "fp32 packed": lambda x: torch.ops.mkldnn._linear_pointwise(
-            x, fp32_packed, None, "none", [], ""),
-        "bf16 packed": lambda x: torch.ops.mkldnn._linear_pointwise(
-            x.bfloat16(), bf16_packed, None, "none", [], "").float(),
-        "int8": lambda x: torch.ops.aten._weight_int8pack_mm(x, int8, scale),
-        "int4 g32": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, int4, GROUP, scales_zeros),
+        "fp32 (MKL)": lambda: lambda x: F.linear(x, w),
+        "fp32 packed": lambda: _packed(w, rows, bf16=False),
+        "bf16 packed": lambda: _packed(w, rows, bf16=True),
+        "int8": lambda: _int8(w),
+        "int4 g32": lambda: _int4(w),
     }
+
+
+def measure(make: Callable[[], Gemm], x: torch.Tensor) -> float | str:
+    """Microseconds per call, or why the format cannot run here."""
+    try:
+        fn = make()
+        return time_us(lambda: fn(x))
+    except (RuntimeError, NotImplementedError) as exc:
+        return f"unsupported: {str(exc).splitlines()[0][:200]}"
 
 
 def main() -> None:
@@ -78,17 +104,22 @@ def main() -> None:
     torch.manual_seed(0)
     results: dict[str, dict[str, dict[str, float]]] = {}
     for rows in (int(r) for r in args.rows.split(",")):
-        table: dict[str, dict[str, float]] = {}
+        table: dict[str, dict[str, float | str]] = {}
         for name, (n, k) in shapes(args.model).items():
             w, x = torch.randn(n, k), torch.randn(rows, k)
-            table[name] = {f: time_us(lambda fn=fn, x=x: fn(x))
-                           for f, fn in formats(w, rows).items()}
-        layer = {f: sum(table[s][f] for s in table if s != "lm_head") for f in table["qkv"]}
-        results[str(rows)] = {"per_gemm_us": table, "layer_us": layer}
+            table[name] = {f: measure(make, x) for f, make in formats(w, rows).items()}
+        ran = [f for f in table["qkv"]
+               if all(isinstance(table[s][f], float) for s in table)]
+        layer = {f: sum(table[s][f] for s in table if s != "lm_head") for f in ran}
+        unsupported = {f: table["qkv"][f] for f in table["qkv"] if f not in ran}
+        results[str(rows)] = {"per_gemm_us": table, "layer_us": layer,
+                              "unsupported": unsupported}
         print(f"{rows} rows, one layer's GEMMs (us): "
               + ", ".join(f"{f} {v:,.0f}" for f, v in layer.items()))
         print(f"{rows} rows, LM head (us): "
-              + ", ".join(f"{f} {v:,.0f}" for f, v in table["lm_head"].items()))
+              + ", ".join(f"{f} {table['lm_head'][f]:,.0f}" for f in ran))
+        for f, why in unsupported.items():
+            print(f"{rows} rows, {f}: {why}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"model": args.model, "threads": torch.get_num_threads(),
