@@ -28,6 +28,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
@@ -50,6 +51,10 @@ log = logging.getLogger(__name__)
 
 PULL_SUFFIX = "/pull"  # the reservation's request id: the prompt's, and this
 MIN_PULL_BLOCKS = 2  # fewer blocks than this are not worth a round trip
+# A holder pushes at most this many pulls at once, each on a thread of its own; the rest
+# wait their turn (within their sinks' expiry), as staged prefill pushes do.
+MAX_PULL_PUSHES = 4
+_pushes = ThreadPoolExecutor(MAX_PULL_PUSHES, thread_name_prefix="kv-pull")
 
 
 class StalePull(ValueError):
@@ -75,8 +80,9 @@ async def serve_pull(loop: EngineLoop, connector: Connector, rows: KVRows, layou
     blocks = await asyncio.wrap_future(loop.submit(hold))
     try:
         left = max(0.0, sink.expires_at - time.time())
-        await asyncio.to_thread(_push, connector, sink, rows, [b.block_id for b in blocks],
-                                layout, secret, left)
+        await asyncio.get_running_loop().run_in_executor(
+            _pushes, _push, connector, sink, rows, [b.block_id for b in blocks], layout,
+            secret, left)
     finally:  # every read is done (the push's stream synchronized): give them back
         loop.submit(lambda engine: engine.block_pool.free(reversed(blocks)))
     return len(blocks) * layout.block_bytes * layout.num_layers
