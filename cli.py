@@ -19,6 +19,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32",
                    choices=["float32", "bfloat16", "float16"],
                    help="weight and KV cache dtype (default: %(default)s)")
+    g.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: quantize the decoder layers' linear layers to FP8 at load (one "
+                        "scale per output row; Hopper GPUs: decode streams half the bytes, "
+                        "prefill runs on FP8 tensor cores; on the CPU it is correct but slow). "
+                        "A checkpoint stored in FP8 loads as FP8 without it (default: the "
+                        "checkpoint's dtype)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="auto: the KV cache in --dtype; fp8: in FP8 (e4m3, a scale per layer), "
+                        "twice the blocks of bf16 in the same memory (default: %(default)s)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     g.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV block (default: %(default)s)")

@@ -172,6 +172,10 @@ def parse_args() -> argparse.Namespace:
         help="Tandem's attention backend (default: the engine's choice)",
     )
     p.add_argument("--enforce-eager", action="store_true", help="Tandem without CUDA graphs")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="Tandem's linear layers in FP8 (quantized at load)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="Tandem's KV cache dtype (default: %(default)s, the model's)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="Tandem launches each step before reading the last one's tokens "
                         "(default: the engine's, on for CUDA)")
@@ -396,6 +400,8 @@ class Tandem:
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
             async_scheduling=args.async_scheduling,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             **kv,
         )
 
@@ -417,6 +423,8 @@ class Tandem:
             "attention_backend": getattr(getattr(engine.runner, "attention", None), "name", None),
             "cuda_graphs": getattr(engine, "cuda_graphs", None),
             "enforce_eager": engine.config.enforce_eager,
+            "quantization": engine.config.quantization,
+            "kv_cache_dtype": engine.config.cache.kv_cache_dtype,
             "async_scheduling": getattr(engine, "async_scheduling", None),
             "preemptions": engine.scheduler.num_preemptions,
         }

@@ -65,6 +65,8 @@ class AttentionBackend(ABC):
         scale: float,
         window: int | None = None,  # keys fewer than this many positions back only
         softcap: float | None = None,  # scores through softcap * tanh(s / softcap)
+        k_scale: float = 1.0,  # an FP8 cache holds k / k_scale (kernels/kv_store.py)
+        v_scale: float = 1.0,  # and v / v_scale; any other cache ignores both
     ) -> torch.Tensor:  # [T, Hq, D]
         """Store k/v at their slots, then attend over the paged cache."""
 

@@ -42,9 +42,11 @@ class TorchAttention(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        store_kv_ref(k, v, kv_cache, state.slots)
+        store_kv_ref(k, v, kv_cache, state.slots, k_scale, v_scale)
         return paged_attention_ref(
             q, kv_cache, state.meta.block_tables, state.seq_lens, state.query_start, scale,
-            state.decode, k, v, window, softcap,
+            state.decode, k, v, window, softcap, k_scale, v_scale,
         )

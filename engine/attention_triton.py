@@ -48,16 +48,18 @@ class TritonAttention(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         m = state.meta
         window, softcap = window or 0, softcap or 0.0
-        store_kv(k, v, kv_cache, m.slot_mapping)
+        store_kv(k, v, kv_cache, m.slot_mapping, k_scale, v_scale)
         if m.is_decode:
             return decode_attention(
                 q, kv_cache, m.block_tables, m.seq_lens, scale, state.num_splits,
-                window=window, softcap=softcap,
+                window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
             )
         return prefill_attention(
             q, kv_cache, m.block_tables, m.seq_lens, m.query_start, m.max_query_len, scale,
-            window=window, softcap=softcap,
+            window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
         )

@@ -25,6 +25,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             kv_cache_memory_fraction=args.gpu_memory_fraction,
             enable_prefix_caching=not args.no_prefix_caching,
             host_kv_bytes=int(args.kv_host_gib * (1 << 30)),
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -35,6 +36,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        quantization=args.quantization,
     )
 
 

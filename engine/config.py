@@ -62,6 +62,9 @@ class ModelConfig:
     query_pre_attn_scalar: float = 0.0  # the attention scale is its -1/2 power; 0: head_dim's
     local_rope_theta: float = 0.0  # the sliding layers' RoPE base; 0: rope_theta
     rope_linear_factor: float = 0.0  # positions divided by it (linear RoPE scaling); 0: none
+    # The checkpoint's own quantization (`quantization_config.quant_method`): "fp8" or "".
+    quantization: str = ""
+    fp8_block: tuple[int, int] | None = None  # an FP8 checkpoint's weight_block_size
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -106,6 +109,12 @@ class ModelConfig:
             # attention.
             max_positions = min(max_positions, int(window))
         experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
+        quant = hf.get("quantization_config") or {}
+        method = quant.get("quant_method", "")
+        if method not in ("", "fp8"):
+            raise ValueError(f"checkpoint quantization {method!r} is not supported; "
+                             "supported: fp8 (quant_method 'fp8')")
+        block = quant.get("weight_block_size")
         config = cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -132,6 +141,8 @@ class ModelConfig:
             norm_topk_prob=hf.get("norm_topk_prob", model_type == "mixtral") if experts else True,
             decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
             mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            quantization=method,
+            fp8_block=(int(block[0]), int(block[1])) if block else None,
         )
         return _gemma(config, hf, model_type) if gemma else config
 
@@ -300,6 +311,14 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+# kv_cache_dtype -> the cache's dtype; None: the model's.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -311,6 +330,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Host memory for blocks evicted from the device cache (engine/host_tier.py); 0: none.
     host_kv_bytes: int = 0
+    # "auto": the model's dtype; "fp8" (or "fp8_e4m3"): float8_e4m3fn, with a per-layer
+    # scale for K and one for V (the model's Attention.k_scale / v_scale): twice the
+    # blocks of a 16-bit cache in the same bytes.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.host_kv_bytes < 0:
@@ -323,6 +346,13 @@ class CacheConfig:
             raise ValueError(
                 f"the GPU memory fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; "
+                             f"choose one of {list(KV_CACHE_DTYPES)}")
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the KV cache is stored in, for a model computing in `model_dtype`."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
 
 @dataclass(frozen=True)
@@ -339,6 +369,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+
+
+QUANTIZATIONS = (None, "fp8")
 
 
 @dataclass(frozen=True)
@@ -360,6 +393,14 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # No tokenizer even if the model has one: prompts and outputs as token ids only.
     skip_tokenizer_init: bool = False
+    # "fp8": the decoder layers' linear layers quantized to FP8 at load (engine/fp8.py);
+    # None: as the checkpoint stores them (an FP8 checkpoint loads as FP8 either way).
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of "
+                             f"{[q for q in QUANTIZATIONS if q]}")
 
     def with_scheduler(self, **changes: Any) -> EngineConfig:
         return replace(self, scheduler=replace(self.scheduler, **changes))

@@ -156,11 +156,17 @@ class HostTier:
 
     def _scatter(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
         """`blocks` ([n, layers, 2, ...]) into device blocks `ids` of every layer."""
+        blocks = _bytes(blocks)
         if self._layers is not None:
-            self._layers.permute(2, 0, 1, 3, 4, 5).index_copy_(0, ids, blocks)
+            _bytes(self._layers).permute(2, 0, 1, 3, 4, 5).index_copy_(0, ids, blocks)
             return
         for layer, cache in enumerate(self.kv_caches):
-            cache.index_copy_(1, ids, blocks[:, layer].transpose(0, 1))
+            _bytes(cache).index_copy_(1, ids, blocks[:, layer].transpose(0, 1))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache as its bytes: the CPU has no index_copy_ for FP8."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _one_tensor(caches: list[torch.Tensor]) -> torch.Tensor | None:

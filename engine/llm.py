@@ -39,6 +39,8 @@ class LLM:
         attention_backend: str | None = None,
         enforce_eager: bool = False,
         async_scheduling: bool | None = None,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -53,6 +55,7 @@ class LLM:
                 host_kv_bytes=host_kv_bytes,
                 kv_cache_memory_fraction=kv_cache_memory_fraction,
                 enable_prefix_caching=enable_prefix_caching,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -62,6 +65,7 @@ class LLM:
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             async_scheduling=async_scheduling,
+            quantization=quantization,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

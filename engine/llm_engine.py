@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm import tqdm
 
+from tandem.engine import fp8
 from tandem.engine.attention import make_backend
 from tandem.engine.block_hash import root_hash
 from tandem.engine.block_pool import BlockPool, EventHook
@@ -91,24 +92,31 @@ class LLMEngine:
         with torch.device(device), _default_dtype(config.dtype):
             ops = ops_for(attention.name, device)
             model = model_class(mc.architecture)(mc, attention, ops).to(config.dtype)
+        if mc.quantization == "fp8":  # its FP8 weights load into FP8 layers as they are
+            fp8.convert(model)
         if src.kind == "dummy":
             model.init_dummy_weights(config.seed)
         else:
             model.load_weights(load_weights(src, config.dtype))
+        if config.quantization == "fp8" and mc.quantization != "fp8":
+            fp8.quantize(model)
         model.eval()
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(src)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.eos_token_ids = tuple(sorted(eos))
 
         cache = config.cache
-        num_blocks = num_kv_blocks(mc, cache, config.dtype, device)
+        kv_dtype = cache.kv_dtype(config.dtype)
+        num_blocks = num_kv_blocks(mc, cache, kv_dtype, device)
         max_len = min(
             config.scheduler.max_model_len, mc.max_position_embeddings,
             num_blocks * cache.block_size,
         )
         self.max_model_len = max_len
         pool = BlockPool(num_blocks, on_block_event)
-        dtype_name = str(config.dtype).removeprefix("torch.")
+        # The cache's dtype, as KVLayout names it and the router hashes prompts with: an
+        # FP8 cache's blocks are never taken for a 16-bit cache's, nor the other way.
+        dtype_name = str(kv_dtype).removeprefix("torch.")
         kv = KVCacheManager(
             pool, cache.block_size, root_hash(src.name, dtype_name, cache.block_size),
             cache.enable_prefix_caching,
@@ -118,7 +126,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched, kv)
         self.runner = ModelRunner(
             model, attention, Sampler(self.eos_token_ids), num_blocks, cache.block_size,
-            sched.max_num_seqs, sched.max_num_batched_tokens, max_len,
+            sched.max_num_seqs, sched.max_num_batched_tokens, max_len, kv_dtype,
         )
         self.host_tier: HostTier | None = None
         if cache.host_kv_bytes and cache.enable_prefix_caching:

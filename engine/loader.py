@@ -20,6 +20,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from tandem.engine.config import NAMED_SHAPES, ModelConfig
+from tandem.engine.fp8 import checkpoint_tensors
 from tandem.engine.models import model_class
 from tandem.engine.tokenizer import Tokenizer
 
@@ -143,23 +144,34 @@ def load_weights(
     files = _safetensors_files(hf_dir)
     weights: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
+    # An FP8 checkpoint's tensors are read as stored, with their scales, then converted.
+    fp8 = cfg.quantization == "fp8"
     with tqdm(desc=f"Loading {src.name}", unit="tensor", total=len(expected)) as bar:
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
                     name = _canonical_name(key)
                     if name in expected:
-                        weights[name] = f.get_tensor(key).to(dtype)
+                        weights[name] = f.get_tensor(key) if fp8 else f.get_tensor(key).to(dtype)
                         bar.update()
+                    elif fp8 and name.endswith(_FP8_SCALES):
+                        weights[name] = f.get_tensor(key)
                     elif not _ignorable(name, cfg):
                         unexpected.append(key)
-    missing = expected - weights.keys()
+    if fp8:
+        weights = checkpoint_tensors(weights, dtype, cfg.fp8_block)
+    missing = {n for n in expected if n not in weights}
     if missing or unexpected:
         raise ValueError(
             f"{src.name}: checkpoint does not match a {cfg.architecture} model; "
             f"missing {sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}"
         )
     return weights
+
+
+# The scales an FP8 checkpoint stores beside its weights (and per layer for its KV cache,
+# unused: the KV cache's scales are 1 unless set otherwise).
+_FP8_SCALES = ("weight_scale", "weight_scale_inv", "input_scale", "k_scale", "v_scale")
 
 
 def _safetensors_files(hf_dir: Path) -> list[Path]:

@@ -153,6 +153,7 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_tokens: int,
         max_model_len: int,
+        kv_dtype: torch.dtype | None = None,  # None: the parameters' dtype
     ) -> None:
         cfg = model.config
         p = next(model.parameters())
@@ -164,7 +165,8 @@ class ModelRunner:
         # gathers and scatters a run of layers in one kernel (kvtransfer/staging.py).
         self.null_block = num_blocks
         shape = (cfg.num_layers, 2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = list(torch.zeros(shape, dtype=p.dtype, device=p.device).unbind(0))
+        kv_dtype = kv_dtype or p.dtype
+        self.kv_caches = list(torch.zeros(shape, dtype=kv_dtype, device=p.device).unbind(0))
 
         self.width = -(-max_model_len // block_size)  # W: table columns
         i32 = {"dtype": torch.int32, "device": self.device}

@@ -12,14 +12,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine import cpu_linear as cpu_linear_mod
+from tandem.engine.fp8 import Fp8Linear
 from tandem.kernels import rms_norm, rope, silu_mul
 
 
-def cpu_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+def cpu_linear(x: torch.Tensor, layer: nn.Linear | Fp8Linear) -> torch.Tensor:
+    if type(layer) is Fp8Linear:
+        return layer(x)
     return cpu_linear_mod.linear(x, layer.weight, layer.bias)
 
 
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+def linear(x: torch.Tensor, layer: nn.Linear | Fp8Linear) -> torch.Tensor:
+    if type(layer) is Fp8Linear:  # quantized (engine/fp8.py): it picks its kernel
+        return layer(x)
     return F.linear(x, layer.weight, layer.bias)
 
 

@@ -109,6 +109,8 @@ def plan_copy(src: torch.Tensor, src_ids: torch.Tensor | None,
     starts with is planned before its data is due. The tensors must stay alive and in
     place (the ids' values and the tags may change)."""
     n = _check(src, src_ids, dst, dst_ids)
+    if src.dtype == torch.float8_e4m3fn:  # its bytes: the CPU has no index_copy_ for FP8
+        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     if use_triton is None:
         use_triton = triton is not None and src.is_cuda
     if not use_triton:

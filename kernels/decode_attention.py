@@ -25,6 +25,10 @@ batch would otherwise run on B x Hkv SMs.
 `window` > 0 (a sliding layer): the query sees only the last `window` keys, so the splits
 share the pages from the one holding the first of them; `softcap` > 0: each score s
 becomes softcap * tanh(s / softcap) before the softmax. Both are compile-time switches.
+
+An FP8 cache: each K and V tile is converted to q's dtype as it is loaded (exact: every
+e4m3 value is a bf16 and an fp16), k_scale joins the score scale on the host and v_scale
+multiplies the accumulator once at the end; a cache in q's dtype compiles none of it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import math
 
 import torch
 
+from tandem.kernels.kv_store import FP8, read_kv_ref
 from tandem.kernels.paged_attention import check_paged_inputs
 
 try:
@@ -69,6 +74,8 @@ def decode_attention(
     out: torch.Tensor | None = None,  # [B, Hq, D]
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: float = 1.0,  # an FP8 cache's; ignored by any other
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each sequence's one query over its first seq_lens[b] cached tokens.
     Nothing on the host depends on tensor values (CUDA-graph capturable); with
@@ -94,12 +101,15 @@ def decode_attention(
     else:  # unused: the kernel writes the output
         maxes = sums = accs = out
     block_n, stages = _tile(q.dtype)
+    fp8 = kv_cache.dtype == FP8
+    if fp8:
+        scale *= k_scale
     _decode_kernel[(batch, hkv, num_splits)](
         q, kv_cache[0], kv_cache[1], block_tables, seq_lens, out, maxes, sums, accs,
         q.stride(0), q.stride(1), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        scale if softcap else scale * math.log2(math.e), float(softcap),
-        WINDOW=int(window), SOFTCAP=bool(softcap),
+        scale if softcap else scale * math.log2(math.e), float(softcap), float(v_scale),
+        WINDOW=int(window), SOFTCAP=bool(softcap), FP8=fp8,
         GROUP=group, GROUP_ROWS=max(_MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=dim, PAGE=page, BLOCK_N=block_n, SPLIT=num_splits > 1,
         PRECISION=precision, num_warps=_NUM_WARPS, num_stages=stages,
@@ -120,6 +130,8 @@ def decode_attention_ref(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Torch reference: per sequence gather its K/V, softmax in float32, return q.dtype.
     Reads seq_lens on the host."""
@@ -127,8 +139,8 @@ def decode_attention_ref(
     out = torch.empty_like(q)
     for b, length in enumerate(seq_lens.tolist()):
         pages = block_tables[b, : -(-length // page)].long()
-        k = kv_cache[0, pages].flatten(0, 1)[:length].float()  # [L, Hkv, D]
-        v = kv_cache[1, pages].flatten(0, 1)[:length].float()
+        k = read_kv_ref(kv_cache[0, pages].flatten(0, 1)[:length], k_scale, torch.float32)
+        v = read_kv_ref(kv_cache[1, pages].flatten(0, 1)[:length], v_scale, torch.float32)
         qg = q[b].float().view(hkv, -1, dim)  # [Hkv, G, D]
         scores = torch.einsum("hgd,lhd->hgl", qg, k) * scale
         if softcap:
@@ -158,8 +170,8 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, maxes, sums, accs,
                        stride_qb, stride_qh, stride_block, stride_token, stride_table,
-                       stride_ob, stride_oh, qk_scale, softcap,
-                       WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                       stride_ob, stride_oh, qk_scale, softcap, v_scale,
+                       WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
                        GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        PRECISION: tl.constexpr):
@@ -200,7 +212,7 @@ if triton is not None:
             # [BLOCK_N] element offsets of each token's row for this head
             token = block * stride_block + (pos % PAGE) * stride_token + head_offset
             k = tl.load(k_cache + token[:, None] + dims[None, :], mask=valid[:, None],
-                        other=0.0)  # [BLOCK_N, D]
+                        other=0.0).to(q_tile.dtype)  # [BLOCK_N, D]; FP8: unscaled
             scores = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * qk_scale
             if SOFTCAP:  # qk_scale is the plain scale: cap, then into the log2 domain
                 scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
@@ -211,10 +223,12 @@ if triton is not None:
             p = tl.exp2(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_cache + token[:, None] + dims[None, :], mask=valid[:, None],
-                        other=0.0)
+                        other=0.0).to(q_tile.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
+        if FP8:  # the values' scale, on the sum of them
+            acc = acc * v_scale
         if SPLIT:  # workspaces [B, Hq, S] and [B, Hq, S, D]
             slot = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split
             tl.store(maxes + slot, m_i, mask=is_head)

@@ -5,7 +5,8 @@ Sequence b owns queries [query_start[b], query_start[b+1]) which are the *last*
 q_len of its seq_lens[b] tokens; every token's K/V (the new ones included) is
 already in the cache. `window`: a query sees only the keys less than `window` positions
 before it (Gemma's and Mistral's sliding layers); `softcap`: scores go through
-softcap * tanh(s / softcap) before the softmax (Gemma 2).
+softcap * tanh(s / softcap) before the softmax (Gemma 2). An FP8 cache is read as its
+values times `k_scale` / `v_scale` in q's dtype (`read_kv_ref`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tandem.kernels.kv_store import FP8, read_kv_ref
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -36,8 +39,8 @@ def check_paged_inputs(
     _, _, block_size, hkv, kv_dim = kv_cache.shape
     assert kv_dim == dim and dim >= 16 and dim & (dim - 1) == 0, (dim, kv_dim)
     assert hq % hkv == 0, (hq, hkv)
-    assert q.dtype == kv_cache.dtype and q.dtype in (torch.float32, torch.bfloat16,
-                                                    torch.float16), (q.dtype, kv_cache.dtype)
+    assert kv_cache.dtype in (q.dtype, FP8) and q.dtype in (torch.float32, torch.bfloat16,
+                                                           torch.float16), (q.dtype, kv_cache.dtype)
     assert q.stride(2) == 1 and kv_cache.stride(4) == 1, "head dims must be contiguous"
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2, block_tables.dtype
     assert block_tables.stride(1) == 1, block_tables.stride()
@@ -94,16 +97,19 @@ def paged_attention_ref(
     v: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,  # an FP8 cache's; ignored by any other
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """With the step's own `k` and `v`, a row whose every token is new (a whole prompt)
-    attends to them where they are rather than to a copy gathered from its blocks."""
+    attends to them where they are rather than to a copy gathered from its blocks; not
+    with an FP8 cache, whose rows attend to what it holds."""
     hq, hkv = q.shape[1], kv_cache.shape[3]
     assert hq % hkv == 0, (hq, hkv)
     out = torch.empty_like(q)
     if decode is None:
         decode = DecodeRows.of(block_tables, seq_lens, query_start, kv_cache.shape[2])
     if decode is not None and window is None and softcap is None:
-        _decode_batched(q, kv_cache, decode, scale, out)
+        _decode_batched(q, kv_cache, decode, scale, out, k_scale, v_scale)
         decoded = True
     else:
         decoded = False
@@ -111,11 +117,11 @@ def paged_attention_ref(
         start, end, length = query_start[b], query_start[b + 1], seq_lens[b]
         if end == start or (end - start == 1 and decoded):
             continue
-        if k is not None and end - start == length:
+        if k is not None and end - start == length and kv_cache.dtype != FP8:
             kb, vb = k[start:end], v[start:end]
-        else:
-            kb = _gather(kv_cache[0], block_tables[b], length)  # [L, Hkv, D]
-            vb = _gather(kv_cache[1], block_tables[b], length)
+        else:  # [L, Hkv, D]
+            kb = read_kv_ref(_gather(kv_cache[0], block_tables[b], length), k_scale, q.dtype)
+            vb = read_kv_ref(_gather(kv_cache[1], block_tables[b], length), v_scale, q.dtype)
         out[start:end] = _attend(q[start:end], kb, vb, scale, window, softcap)
     return out
 
@@ -164,7 +170,8 @@ def _attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 
 def _decode_batched(
-    q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeRows, scale: float, out: torch.Tensor
+    q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeRows, scale: float, out: torch.Tensor,
+    k_scale: float, v_scale: float,
 ) -> None:
     """One query per row: pad K/V to the longest context and mask the rest."""
     hkv = kv_cache.shape[3]
@@ -173,6 +180,7 @@ def _decode_batched(
     ids = d.table.flatten()
     k = kv_cache[0].index_select(0, ids).view(shape).flatten(1, 2)[:, : d.max_len]
     v = kv_cache[1].index_select(0, ids).view(shape).flatten(1, 2)[:, : d.max_len]
+    k, v = read_kv_ref(k, k_scale, q.dtype), read_kv_ref(v, v_scale, q.dtype)
     qd = q[d.queries] if r != q.shape[0] else q  # [R, Hq, D]
     # A query group shares its K/V head: [R, Hkv, G, D] against [R, Hkv, L, D], no copies.
     qg = qd.view(r, hkv, q.shape[1] // hkv, -1)

@@ -29,7 +29,9 @@ the short ones fill the tail. It depends only on host ints, so nothing waits on 
 sliding layer): the program starts at the tile holding its first query's first key, and
 every tile is masked. `softcap` > 0: each score s becomes softcap * tanh(s / softcap)
 before the softmax (Gemma 2). Both are compile-time switches: without them the kernel
-is the one above.
+is the one above. An FP8 cache: K and V tiles are converted to q's dtype as they are
+loaded (exact), k_scale joins the score scale on the host and v_scale multiplies the
+output once; a cache in q's dtype compiles none of it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import NamedTuple
 
 import torch
 
+from tandem.kernels.kv_store import FP8, read_kv_ref
 from tandem.kernels.paged_attention import check_paged_inputs
 
 try:
@@ -86,6 +89,8 @@ def prefill_attention(
     out: torch.Tensor | None = None,  # [T, Hq, D]
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: float = 1.0,  # an FP8 cache's; ignored by any other
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its first seq_lens[b] cached
     tokens; writes `out` (allocated if None) and returns it. Launch size depends only on
@@ -109,15 +114,18 @@ def prefill_attention(
     block_q = block_m // groups
     grid = (hkv, batch, triton.cdiv(max_query_len, block_q))
     assert grid[1] < 1 << 16 and grid[2] < 1 << 16, grid  # CUDA's limit on grid y and z
+    fp8 = kv_cache.dtype == FP8
+    if fp8:
+        scale *= k_scale
     _prefill_attention_kernel[grid](
         q, kv_cache[0], kv_cache[1], block_tables, seq_lens, query_start, out,
-        scale if softcap else scale * _LOG2E, float(softcap),
+        scale if softcap else scale * _LOG2E, float(softcap), float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         GROUPS=groups, HEAD_DIM=dim, PAGE=page, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=tiles.block_n, IEEE=q.dtype == torch.float32,
-        WINDOW=int(window), SOFTCAP=bool(softcap),
+        WINDOW=int(window), SOFTCAP=bool(softcap), FP8=fp8,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
@@ -132,6 +140,8 @@ def prefill_attention_ref(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Torch reference: per sequence, gather its K/V, causal softmax in float32; returns
     q.dtype. Rows of q that no sequence owns are zero."""
@@ -144,7 +154,8 @@ def prefill_attention_ref(
         if end == start:
             continue
         pages = block_tables[b, : -(-length // page)].long()
-        k, v = (kv_cache[i][pages].flatten(0, 1)[:length].float() for i in (0, 1))
+        k, v = (read_kv_ref(kv_cache[i][pages].flatten(0, 1)[:length], s, torch.float32)
+                for i, s in ((0, k_scale), (1, v_scale)))
         k = k.repeat_interleave(groups, 1).transpose(0, 1)  # [Hq, L, D]
         v = v.repeat_interleave(groups, 1).transpose(0, 1)
         qh = q[start:end].float().transpose(0, 1)  # [Hq, Q, D]
@@ -188,6 +199,8 @@ if triton is not None:
         else:
             k = tl.load(k_cache + kv_offs)
             v = tl.load(v_cache + kv_offs)
+        k = k.to(q_tile.dtype)  # an FP8 cache's values, unscaled; else a no-op
+        v = v.to(q_tile.dtype)
         if IEEE:
             qk = tl.dot(q_tile, tl.trans(k), input_precision="ieee") * qk_scale
         else:
@@ -222,13 +235,13 @@ if triton is not None:
     def _prefill_attention_kernel(
         q, k_cache, v_cache, block_tables, seq_lens, query_start, out,
         qk_scale,  # scale x log2(e): softmax in powers of 2 (SOFTCAP: the plain scale)
-        softcap,
+        softcap, v_scale,
         q_token, q_head, out_token, out_head,
         kv_block, kv_slot, kv_head,
         table_row,
         GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+        IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
     ):
         # program (h, b, t): KV head h, sequence b, query tile t counted from the end.
         kv_h = tl.program_id(0)
@@ -277,5 +290,7 @@ if triton is not None:
                 HEAD_DIM, PAGE, BLOCK_N, True, IEEE, WINDOW, SOFTCAP)
 
         acc = acc / l_i[:, None]
+        if FP8:  # the values' scale, on their weighted mean
+            acc = acc * v_scale
         o_offs = (token * out_token + head * out_head)[:, None] + offs_d[None, :]
         tl.store(out + o_offs, acc.to(out.dtype.element_ty), mask=row_ok[:, None])

@@ -245,6 +245,10 @@ def _engine_flags(args: argparse.Namespace, device: str, memory_fraction: float)
         flags += ["--kv-host-gib", str(args.kv_host_gib)]
     if args.no_prefix_caching:
         flags.append("--no-prefix-caching")
+    if args.quantization is not None:
+        flags += ["--quantization", args.quantization]
+    if args.kv_cache_dtype != "auto":
+        flags += ["--kv-cache-dtype", args.kv_cache_dtype]
     return flags
 
 

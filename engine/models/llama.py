@@ -73,6 +73,8 @@ class Attention(nn.Module):
         self.scale = hd**-0.5
         self.window: int | None = None  # keys fewer than this many back only (a family's)
         self.softcap: float | None = None  # scores through softcap * tanh(s / softcap)
+        # An FP8 KV cache holds k / k_scale and v / v_scale (a loader may set them).
+        self.k_scale, self.v_scale = 1.0, 1.0
         self.attention, self.ops = attention, ops
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +98,7 @@ class Attention(nn.Module):
         v = v.view(t, -1, hd)
         self.ops.apply_rope_(q, k, positions, cos_sin)
         o = self.attention.forward(q, k, v, kv_cache, state, self.scale, self.window,
-                                   self.softcap)  # [T, Hq, hd]
+                                   self.softcap, self.k_scale, self.v_scale)  # [T, Hq, hd]
         return self.ops.linear(o.reshape(t, -1), self.o_proj)
 
 
@@ -223,11 +225,12 @@ class LlamaForCausalLM(nn.Module):
             weights.pop("lm_head.weight", None)
         for i in range(self.config.num_layers):
             attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            for suffix in ("weight", "bias"):
+            for suffix in ("weight", "bias", "weight_scale"):  # the scale: FP8's (fp8.py)
                 _concat(weights, f"{attn}qkv_proj.{suffix}",
                         [f"{attn}{p}_proj.{suffix}" for p in "qkv"])
-            _concat(weights, f"{mlp}gate_up_proj.weight",
-                    [f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"])
+            for suffix in ("weight", "weight_scale"):
+                _concat(weights, f"{mlp}gate_up_proj.{suffix}",
+                        [f"{mlp}gate_proj.{suffix}", f"{mlp}up_proj.{suffix}"])
         missing, unexpected = self.load_state_dict(weights, strict=False)
         if missing or unexpected:
             raise ValueError(
