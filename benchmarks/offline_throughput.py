@@ -169,6 +169,9 @@ def parse_args() -> argparse.Namespace:
                    help="Tandem's batch, as a node's flag (default: %(default)s)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="Tandem without its prefix cache, as a node's flag")
+    p.add_argument("--cpu-weights", choices=("auto", "fp32", "bf16"), default="fp32",
+                   help="Tandem's decoder linear layers on the CPU, as a node's flag "
+                        "(default: %(default)s)")
     p.add_argument("--skip-hf", action="store_true", help="time Tandem only")
     p.add_argument(
         "--json",
@@ -236,6 +239,7 @@ def load_tandem(args: argparse.Namespace) -> LLM:
         seed=args.seed,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=not args.no_prefix_caching,
+        cpu_weights=args.cpu_weights,
     )
 
 

@@ -37,6 +37,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         skip_tokenizer_init=args.skip_tokenizer_init,
         quantization=args.quantization,
+        cpu_weights=args.cpu_weights,
     )
 
 

@@ -372,6 +372,7 @@ class SchedulerConfig:
 
 
 QUANTIZATIONS = (None, "fp8")
+CPU_WEIGHTS = ("auto", "fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -396,11 +397,18 @@ class EngineConfig:
     # "fp8": the decoder layers' linear layers quantized to FP8 at load (engine/fp8.py);
     # None: as the checkpoint stores them (an FP8 checkpoint loads as FP8 either way).
     quantization: str | None = None
+    # An fp32 model's decoder linear layers on the CPU: "fp32" as loaded (token-exact
+    # against transformers), "bf16" packed for oneDNN (engine/cpu_linear.py), "auto" bf16
+    # where the CPU multiplies bf16 in hardware, else fp32.
+    cpu_weights: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {self.quantization!r}; choose one of "
                              f"{[q for q in QUANTIZATIONS if q]}")
+        if self.cpu_weights not in CPU_WEIGHTS:
+            raise ValueError(f"unknown cpu_weights {self.cpu_weights!r}; choose one of "
+                             f"{list(CPU_WEIGHTS)}")
 
     def with_scheduler(self, **changes: Any) -> EngineConfig:
         return replace(self, scheduler=replace(self.scheduler, **changes))

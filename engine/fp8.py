@@ -32,7 +32,8 @@ from tandem.kernels import fp8_quant
 from tandem.kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref, triton
 from tandem.kernels.fp8_quant import FP8, quantize_rows_ref
 
-# Decoder layers' linear layers that become FP8 (the fused names, as the model holds them).
+# Decoder layers' linear layers that become FP8 (the fused names, as the model holds them;
+# engine/cpu_linear.py packs the same ones as bf16).
 LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # The checkpoint tensors (Hugging Face names) stored in FP8 that load as FP8.
 CHECKPOINT_LINEAR = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")

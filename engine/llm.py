@@ -41,6 +41,7 @@ class LLM:
         async_scheduling: bool | None = None,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        cpu_weights: str = "fp32",
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -66,6 +67,7 @@ class LLM:
             enforce_eager=enforce_eager,
             async_scheduling=async_scheduling,
             quantization=quantization,
+            cpu_weights=cpu_weights,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

@@ -249,6 +249,8 @@ def _engine_flags(args: argparse.Namespace, device: str, memory_fraction: float)
         flags += ["--quantization", args.quantization]
     if args.kv_cache_dtype != "auto":
         flags += ["--kv-cache-dtype", args.kv_cache_dtype]
+    if args.cpu_weights != "fp32":
+        flags += ["--cpu-weights", args.cpu_weights]
     return flags
 
 

@@ -186,12 +186,13 @@ class LlamaForCausalLM(nn.Module):
                 on_layer(i)
         return self.model.norm(x, residual)[0]
 
+    @property
+    def logits_weight(self) -> torch.Tensor:  # [V, D]
+        return (self.model.embed_tokens.weight if self.config.tie_word_embeddings
+                else self.lm_head.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V]
-        weight = (
-            self.model.embed_tokens.weight if self.config.tie_word_embeddings
-            else self.lm_head.weight
-        )
-        return self.ops.logits(hidden, weight)
+        return self.ops.logits(hidden, self.logits_weight)
 
     @classmethod
     def make_mlp(cls, config: ModelConfig, layer: int, ops: Ops) -> nn.Module:

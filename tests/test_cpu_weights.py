@@ -1,0 +1,81 @@
+"""`cpu_weights="bf16"`: an fp32 model's decoder linear layers packed as bf16 for oneDNN
+on the CPU (engine/cpu_linear.py). Each layer computes what bf16 inputs and weights
+with fp32 accumulation give; SmolLM2's greedy tokens against fp32's are reported per
+prompt (the 20 prompts of the GPU test), and the chat answer still says Paris."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prompts import CHAT, LONG_CHAT, LONG_RAW, RAW
+
+from tandem import LLM, SamplingParams
+from tandem.engine import cpu_linear
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import _cpu_weights
+
+needs_bf16 = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                reason="needs oneDNN")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 5, 17, 300])
+def test_a_packed_layer_computes_in_bf16_with_fp32_accumulation(rows: int) -> None:
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(576, 1536, bias=True)
+    holder = torch.nn.Module()
+    holder.gate_up_proj = linear
+    assert cpu_linear.pack_bf16(holder, torch.zeros(8, 576)) == 1
+    x = torch.randn(rows, 576)
+    got = cpu_linear.linear(x, linear.weight, linear.bias)
+    exact = x.bfloat16().double() @ linear.weight.bfloat16().double().t()
+    # The result is rounded to bf16 (8 bits): within one bf16 step of the exact product.
+    step = exact.abs() * 2**-8 + 1e-6
+    assert torch.all((got - linear.bias - exact.float()).abs() <= step.float())
+
+
+@needs_bf16
+def test_bf16_weights_pack_every_decoder_linear_layer_and_keep_the_logits_fp32() -> None:
+    llm = LLM("tiny", load_format="dummy", num_kv_blocks=32, cpu_weights="bf16")
+    assert llm.engine.cpu_weights == "bf16"
+    model = llm.engine.runner.model
+    packed = [n for n, p in model.named_parameters() if hasattr(p, cpu_linear._PACKED_BF16)]
+    assert len(packed) == 4 * model.config.num_layers
+    assert not hasattr(model.model.embed_tokens.weight, cpu_linear._PACKED_BF16)
+    assert getattr(model.logits_weight, cpu_linear._ALWAYS_PACKED)  # fp32, packed
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert len(llm.generate([1, 2, 3], params)[0].token_ids) == 8
+
+
+def test_auto_picks_bf16_only_for_an_fp32_model_on_a_cpu_with_bf16() -> None:
+    auto = EngineConfig("tiny", cpu_weights="auto")
+    native = "bf16" if cpu_linear.has_native_bf16() else "fp32"
+    assert _cpu_weights(auto, torch.device("cpu")) == native
+    assert _cpu_weights(auto, torch.device("cuda")) == "fp32"
+    assert _cpu_weights(EngineConfig("tiny", dtype=torch.bfloat16, cpu_weights="auto"),
+                        torch.device("cpu")) == "fp32"
+    with pytest.raises(ValueError, match="cpu_weights='bf16' is for an fp32 model on the CPU"):
+        _cpu_weights(EngineConfig("tiny", dtype=torch.bfloat16, cpu_weights="bf16"),
+                     torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown cpu_weights 'int3'"):
+        EngineConfig("tiny", cpu_weights="int3")
+
+
+@needs_bf16
+def test_smollm2_in_bf16_agrees_with_fp32_and_still_says_paris(offline) -> None:  # noqa: ANN001
+    """The 20 prompts of the GPU test, 32 greedy tokens each: how many lead tokens bf16
+    shares with fp32, per prompt (printed); most prompts agree for a good while, and the
+    capital of France is still Paris."""
+    bf16 = LLM("smollm2-135m-instruct", num_kv_blocks=1024, cpu_weights="bf16")
+    tok = bf16.get_tokenizer()
+    prompts = ([tok.apply_chat_template([{"role": "user", "content": c}])
+                for c in CHAT + [LONG_CHAT]] + [tok.encode(r) for r in RAW + [LONG_RAW]])
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    want = [o.token_ids for o in offline.generate(prompts, params)]
+    got = [o.token_ids for o in bf16.generate(prompts, params)]
+    lead = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
+            for g, w in zip(got, want)]
+    print(f"bf16 against fp32, equal lead tokens of 32 per prompt: {lead}")
+    assert sum(n == 32 for n in lead) >= len(prompts) // 2, lead
+    answer = bf16.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=24))
+    assert "Paris" in answer[0].text
