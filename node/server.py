@@ -10,47 +10,36 @@ owner of its request: an Abort (or its client going away) cancels the task, and 
 aborts the request in whichever stage holds it. `grpc.health.v1` is served beside it,
 for Kubernetes' probes.
 
-Errors reach the caller as gRPC status codes, by exact type, never as a traceback:
-
-    ValueError            INVALID_ARGUMENT    a bad request
-    Status(code)          code                a call the role does not serve now, ...
-    KVCacheFull           RESOURCE_EXHAUSTED  Reserve: the blocks are not free now
-    QueueTimeout          DEADLINE_EXCEEDED   the call's deadline passed in the queue
-    PrefillFailed         its code            the prefill node failed; the plan says fail
-    TransferError         ABORTED             a KV transfer failed
-    LoopClosed            UNAVAILABLE         the node is stopping
-    Aborted               CANCELLED           aborted while it waited
+Errors reach the caller as gRPC status codes, by exact type (node/errors.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import logging
 import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from typing import Any
 
 import grpc
 
-from tandem.decode_node.driver import Driver, PrefillFailed, QueueTimeout
-from tandem.decode_node.role import Aborted, DecodeRole
+from tandem.decode_node.driver import Driver
+from tandem.decode_node.role import DecodeRole
 from tandem.engine import trace
 from tandem.engine.block_pool import BlockEvent
-from tandem.engine.llm_engine import KVCacheFull, LLMEngine
+from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request
-from tandem.kvtransfer.connector import TransferError, get_connector
+from tandem.kvtransfer.connector import get_connector
 from tandem.kvtransfer.index.base import BlockIndex
 from tandem.kvtransfer.layout import KVLayout
 from tandem.node import convert
 from tandem.node.aio import Bridge, engine_call, new_event_loop
+from tandem.node.errors import Status, rpc
 from tandem.node.events import BlockEvents
-from tandem.node.loop import EngineLoop, LoopClosed
+from tandem.node.loop import EngineLoop
 from tandem.node.outbox import CallStream, Chunks, ColumnOutbox, Outbox
 from tandem.node.pull import Puller, StalePull, serve_pull
 from tandem.node.timeouts import TIMEOUTS, Timeouts
@@ -64,70 +53,6 @@ ROLES = {"prefill": pb.PREFILL, "decode": pb.DECODE}
 # Generate and Prefill calls a node holds at once, queued or running; more are refused
 # with RESOURCE_EXHAUSTED (a router queues them). Each costs a task and its queue entry.
 MAX_REQUESTS = 8192
-
-
-class Status(Exception):
-    """End the call with `code`."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-
-
-_CODES: dict[type[BaseException], grpc.StatusCode] = {
-    ValueError: grpc.StatusCode.INVALID_ARGUMENT,
-    KVCacheFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    QueueTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
-    TransferError: grpc.StatusCode.ABORTED,
-    LoopClosed: grpc.StatusCode.UNAVAILABLE,
-    Aborted: grpc.StatusCode.CANCELLED,
-}
-
-
-def _status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    if isinstance(exc, (Status, PrefillFailed)):
-        return exc.code, str(exc)
-    for kind in type(exc).__mro__:
-        if kind in _CODES:
-            prefix = "KV transfer failed: " if kind is TransferError else ""
-            return _CODES[kind], prefix + str(exc)
-    return None
-
-
-def _rpc(method: Callable) -> Callable:
-    """The handler's typed errors end its call with their status code (table above); a
-    call whose task an Abort cancelled ends with CANCELLED (one its client cancelled
-    just ends)."""
-    if inspect.isasyncgenfunction(method):
-        @functools.wraps(method)
-        async def stream(self: NodeService, request: Any, context: Any) -> AsyncIterator[Any]:
-            try:
-                async for item in method(self, request, context):
-                    yield item
-            except (Exception, asyncio.CancelledError) as exc:
-                await _abort(self, context, exc)
-        return stream
-
-    @functools.wraps(method)
-    async def unary(self: NodeService, request: Any, context: Any) -> Any:
-        try:
-            return await method(self, request, context)
-        except (Exception, asyncio.CancelledError) as exc:
-            await _abort(self, context, exc)
-    return unary
-
-
-async def _abort(service: NodeService, context: grpc.aio.ServicerContext,
-                 exc: BaseException) -> None:
-    if isinstance(exc, asyncio.CancelledError):
-        reason = service._aborted.pop(asyncio.current_task(), None)
-        if reason is None:
-            raise exc
-        await context.abort(grpc.StatusCode.CANCELLED, f"the request was aborted: {reason}")
-    status = _status(exc)
-    if status is None:
-        raise exc
-    await context.abort(*status)
 
 
 class NodeService(pb_grpc.NodeServicer):
@@ -175,7 +100,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.events = BlockEvents("", index)
         engine.block_pool.on_event = self.events.on_event  # before any request runs
         self._tasks: dict[str, asyncio.Task] = {}  # Generate and Prefill calls, by request
-        self._aborted: dict[asyncio.Task, str] = {}  # cancelled by an Abort: why
+        self.aborted: dict[asyncio.Task, str] = {}  # cancelled by an Abort: why
         self._outboxes: dict[str, Outbox | ColumnOutbox] = {}  # Outputs streams, by subscriber
         self._send_columns = send_columns
         if send_columns is not None:
@@ -183,7 +108,7 @@ class NodeService(pb_grpc.NodeServicer):
 
     # -- the decode role ---------------------------------------------------------------
 
-    @_rpc
+    @rpc
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> pb.ReserveReply:
         self._serving(pb.DECODE)
@@ -194,7 +119,7 @@ class NodeService(pb_grpc.NodeServicer):
             sink=convert.sink_to_pb(made.sink, made.first_block, self.connector_name),
             cached_tokens=made.cached_tokens)
 
-    @_rpc
+    @rpc
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateChunk]:
         self._serving(pb.DECODE)
@@ -223,7 +148,7 @@ class NodeService(pb_grpc.NodeServicer):
                 if out.finished:
                     return
 
-    @_rpc
+    @rpc
     async def Outputs(self, request: pb.OutputsRequest, context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[pb.OutputBatch]:
         self._serving(pb.DECODE, new_work=False)  # running requests stream here
@@ -245,7 +170,7 @@ class NodeService(pb_grpc.NodeServicer):
 
     # -- the prefill role --------------------------------------------------------------
 
-    @_rpc
+    @rpc
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> pb.PrefillReply:
         self._serving(pb.PREFILL)
@@ -276,7 +201,7 @@ class NodeService(pb_grpc.NodeServicer):
 
     # -- either role -------------------------------------------------------------------
 
-    @_rpc
+    @rpc
     async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext
                    ) -> pb.PullReply:
         self._serving(self.role, new_work=False)  # a drained node still serves its blocks
@@ -295,7 +220,7 @@ class NodeService(pb_grpc.NodeServicer):
         task = self._tasks.get(request.request_id)
         reason = request.reason or "aborted by the router"
         if task is not None:  # its call owns the request: its end aborts it
-            self._aborted[task] = reason
+            self.aborted[task] = reason
             task.cancel()
             return pb.AbortReply(found=True)
         if self.prefill.abort(request.request_id, reason):  # an early start, unattached
@@ -353,7 +278,7 @@ class NodeService(pb_grpc.NodeServicer):
             kv_pull_seconds=self.puller.pull_seconds,
         )
 
-    @_rpc
+    @rpc
     async def SetRole(self, request: pb.SetRoleRequest, context: grpc.aio.ServicerContext
                       ) -> pb.SetRoleReply:
         if request.role not in ROLES.values():
@@ -377,7 +302,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.draining = request.drain
         return pb.DrainReply(accepting=self.accepting, num_requests=await self.num_requests())
 
-    @_rpc
+    @rpc
     async def BlockEvents(self, request: pb.BlockEventsRequest,
                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.BlockEventBatch]:
         events: asyncio.Queue[BlockEvent] = asyncio.Queue()
