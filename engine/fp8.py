@@ -111,10 +111,14 @@ def checkpoint_tensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype,
     FP8 with `<name>_scale` [N] fp32 beside it (a per-tensor scale is repeated per row;
     a per-block one, `weight_scale_inv`, is folded into the weight, requantized per row);
     any other FP8 tensor is widened to `dtype`; activation scales are dropped (activation
-    scales are computed per token, at run time)."""
+    scales are computed per token, at run time); the KV cache's `k_scale`/`v_scale` are
+    kept, in fp32 (the model sets them on its attention layers)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if name.endswith(("weight_scale", "weight_scale_inv", "input_scale")):
+            continue
+        if name.endswith(("k_scale", "v_scale")):  # the KV cache's: kept in fp32
+            out[name] = t.float()
             continue
         if t.dtype != FP8:
             out[name] = t.to(dtype)

@@ -169,8 +169,8 @@ def load_weights(
     return weights
 
 
-# The scales an FP8 checkpoint stores beside its weights (and per layer for its KV cache,
-# unused: the KV cache's scales are 1 unless set otherwise).
+# The scales an FP8 checkpoint stores beside its weights, and per layer for an FP8 KV
+# cache (k_scale, v_scale).
 _FP8_SCALES = ("weight_scale", "weight_scale_inv", "input_scale", "k_scale", "v_scale")
 
 

@@ -167,6 +167,26 @@ def test_a_block_scaled_fp8_checkpoint_is_requantized_per_row(hf_model, tmp_path
     assert llm.generate([5, 6, 7], GREEDY)[0].token_ids  # runs
 
 
+def test_an_fp8_checkpoints_kv_scales_reach_the_attention_layers(hf_model, tmp_path: Path
+                                                                   ) -> None:  # noqa: ANN001
+    """`k_scale`/`v_scale` per layer (as llm-compressor writes them) load onto each layer's
+    attention in fp32, where an FP8 KV cache stores k / k_scale; a 16-bit cache ignores
+    them."""
+    _fp8_checkpoint(hf_model, tmp_path, block=None)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for i in range(CONFIG.num_hidden_layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.0123 * (i + 1))
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(2.5)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(tmp_path), kv_cache_dtype="fp8")
+    attn = [layer.self_attn for layer in llm.engine.runner.model.model.layers]
+    assert [a.k_scale for a in attn] == [float(torch.tensor(0.0123 * (i + 1)))
+                                         for i in range(CONFIG.num_hidden_layers)]
+    assert [a.v_scale for a in attn] == [2.5] * CONFIG.num_hidden_layers
+    assert len(llm.generate([5, 6, 7], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    assert len(LLM(str(tmp_path)).generate([5, 6, 7], GREEDY)[0].token_ids) == 16
+
+
 def test_unknown_quantizations_are_refused(hf_model, tmp_path: Path) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="unknown quantization 'int3'.*fp8"):
         LLM("tiny", load_format="dummy", quantization="int3")

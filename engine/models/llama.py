@@ -224,8 +224,11 @@ class LlamaForCausalLM(nn.Module):
         weights = dict(weights)
         if self.config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
-        for i in range(self.config.num_layers):
+        for i, layer in enumerate(self.model.layers):
             attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            for name in ("k_scale", "v_scale"):  # an FP8 checkpoint's, for an FP8 KV cache
+                if attn + name in weights:
+                    setattr(layer.self_attn, name, float(weights.pop(attn + name)))
             for suffix in ("weight", "bias", "weight_scale"):  # the scale: FP8's (fp8.py)
                 _concat(weights, f"{attn}qkv_proj.{suffix}",
                         [f"{attn}{p}_proj.{suffix}" for p in "qkv"])
