@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from engine_gpu import copy_bandwidth
 
 from tandem.engine import fp8
 from tandem.engine.config import NAMED_SHAPES
@@ -69,23 +70,6 @@ def timed(fn: Any, reps: int) -> float:
         times.append(start.elapsed_time(end) / 1e3)
     del graph
     return statistics.median(times)
-
-
-def eager_timed(fn: Any, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / reps
-
-
-def copy_rate() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    s = eager_timed(lambda: dst.copy_(src), 10)
-    return 2 * src.numel() / s
 
 
 def sweep_configs(m: int) -> list[dict[str, int]]:
@@ -130,7 +114,7 @@ def main() -> None:
             for _ in range(c.num_layers)]
     q8 = [[quantize_rows_ref(w) for w in layer] for layer in bf16]
     bytes16 = sum(w.numel() * 2 for layer in bf16 for w in layer)
-    rate = copy_rate()
+    rate = copy_bandwidth("cuda", 1 << 30)  # bytes read + written a second
     check = {}
     for (name, _, k), (w8, s) in zip(dims, q8[0]):
         x = torch.randn(3, k, device="cuda", dtype=torch.bfloat16)

@@ -114,6 +114,18 @@ def has_native_bf16() -> bool:
         torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+def weights_mode(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+    """What `cpu_weights` comes to here: bf16 only for an fp32 model on the CPU, asked for
+    or (auto) where the CPU multiplies bf16 in hardware."""
+    fits = device.type == "cpu" and dtype == torch.float32
+    if choice == "bf16" and not fits:
+        raise ValueError("cpu_weights='bf16' is for an fp32 model on the CPU "
+                         f"(got {dtype} on {device})")
+    if choice == "auto":
+        return "bf16" if fits and has_native_bf16() else "fp32"
+    return choice
+
+
 @torch.no_grad()
 def pack_bf16(model: torch.nn.Module, logits_weight: torch.Tensor) -> int:
     """Pack the decoder layers' linear weights as bf16 for oneDNN (half the bytes a decode

@@ -100,7 +100,7 @@ class LLMEngine:
             model.load_weights(load_weights(src, config.dtype))
         if config.quantization == "fp8" and mc.quantization != "fp8":
             fp8.quantize(model)
-        self.cpu_weights = _cpu_weights(config, device)
+        self.cpu_weights = cpu_linear.weights_mode(config.cpu_weights, device, config.dtype)
         if self.cpu_weights == "bf16":
             cpu_linear.pack_bf16(model, model.logits_weight)
         model.eval()
@@ -545,18 +545,6 @@ def run_to_completion(
                     done[out.request_id] = out
                     bar.update(1)
     return done
-
-
-def _cpu_weights(config: EngineConfig, device: torch.device) -> str:
-    """What `cpu_weights` comes to here: bf16 only for an fp32 model on the CPU, asked for
-    or (auto) where the CPU multiplies bf16 in hardware."""
-    if config.cpu_weights == "bf16" and (device.type != "cpu" or config.dtype != torch.float32):
-        raise ValueError("cpu_weights='bf16' is for an fp32 model on the CPU "
-                         f"(got {config.dtype} on {device})")
-    if config.cpu_weights == "auto":
-        fits = device.type == "cpu" and config.dtype == torch.float32
-        return "bf16" if fits and cpu_linear.has_native_bf16() else "fp32"
-    return config.cpu_weights
 
 
 @contextlib.contextmanager

@@ -12,7 +12,11 @@ from prompts import CHAT, LONG_CHAT, LONG_RAW, RAW
 from tandem import LLM, SamplingParams
 from tandem.engine import cpu_linear
 from tandem.engine.config import EngineConfig
-from tandem.engine.llm_engine import _cpu_weights
+
+
+def _cpu_weights(config: EngineConfig, device: torch.device) -> str:
+    return cpu_linear.weights_mode(config.cpu_weights, device, config.dtype)
+
 
 needs_bf16 = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="needs oneDNN")

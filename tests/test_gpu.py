@@ -84,6 +84,20 @@ class TeacherForcing:
         return SamplerOutput(forced, out.logprobs)
 
 
+def forced_run(engine, prompts: list[list[int]], outs: list[list[int]],  # noqa: ANN001
+               params: SamplingParams) -> tuple[list[list[int]], list[int], list[float]]:
+    """Run `prompts` through `engine` (synchronous) teacher-forced with `outs`; returns
+    the tokens it emitted (the forced ones) per prompt, and its own greedy pick and
+    shortfall at every step, prompt after prompt."""
+    ids = [f"p{i}" for i in range(len(prompts))]
+    forcing = TeacherForcing(engine.runner.sampler, dict(zip(ids, outs)))
+    engine.runner.sampler = forcing
+    done = run_to_completion(engine, [engine.make_request(r, p, params)
+                                      for r, p in zip(ids, prompts)])
+    return ([done[r].token_ids for r in ids], [t for r in ids for t in forcing.picked[r]],
+            [g for r in ids for g in forcing.shortfall[r]])
+
+
 def test_bf16_triton_agrees_with_torch() -> None:
     """The triton engine decodes 100 tokens for each of the 20 prompts (CUDA graphs); the
     torch backend then decodes the same prompts, teacher-forced with those tokens, so at
@@ -101,17 +115,11 @@ def test_bf16_triton_agrees_with_torch() -> None:
     # Synchronous: the forcing sampler hands back tokens the host chose.
     ref = LLM("smollm2-135m-instruct", device="cuda", dtype="bfloat16",
               attention_backend="torch", num_kv_blocks=8192, async_scheduling=False).engine
-    forcing = TeacherForcing(ref.runner.sampler, {f"p{i}": o for i, o in enumerate(outs)})
-    ref.runner.sampler = forcing
-    done = run_to_completion(
-        ref, [ref.make_request(f"p{i}", p, params) for i, p in enumerate(prompts)]
-    )
-    assert [done[f"p{i}"].token_ids for i in range(len(prompts))] == outs  # forced
-    picked = [t for i in range(len(prompts)) for t in forcing.picked[f"p{i}"]]
+    done, picked, short = forced_run(ref, prompts, outs, params)
+    assert done == outs  # forced
     expected = [t for out in outs for t in out]
     assert len(picked) == len(expected) == 2000
     differ = [i for i, (a, b) in enumerate(zip(picked, expected)) if a != b]
-    short = [g for i in range(len(prompts)) for g in forcing.shortfall[f"p{i}"]]
     print(f"bf16 triton vs torch: {2000 - len(differ)}/2000 greedy tokens agree; "
           f"differing steps (prompt, step): {[divmod(i, steps) for i in differ]}; "
           f"there the torch backend ranks the triton token below its own by "

@@ -11,11 +11,10 @@ import gc
 
 import pytest
 import torch
-from test_gpu import TeacherForcing
+from test_gpu import forced_run
 from test_model_families import FAMILIES, NEW_TOKENS, _build
 
 from tandem import LLM, SamplingParams
-from tandem.engine.llm_engine import run_to_completion
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,15 +35,10 @@ def test_the_triton_path_agrees_with_the_torch_reference(name: str, tmp_path_fac
     torch.cuda.empty_cache()
     ref = LLM(str(path), device="cuda", dtype="bfloat16", attention_backend="torch",
               async_scheduling=False).engine
-    forcing = TeacherForcing(ref.runner.sampler, {f"p{i}": o for i, o in enumerate(outs)})
-    ref.runner.sampler = forcing
-    done = run_to_completion(
-        ref, [ref.make_request(f"p{i}", p, GREEDY) for i, p in enumerate(prompts)])
-    assert [done[f"p{i}"].token_ids for i in range(len(prompts))] == outs  # forced
-    picked = [t for i in range(len(prompts)) for t in forcing.picked[f"p{i}"]]
+    done, picked, short = forced_run(ref, prompts, outs, GREEDY)
+    assert done == outs  # forced
     expected = [t for out in outs for t in out]
     differ = [i for i, (a, b) in enumerate(zip(picked, expected)) if a != b]
-    short = [g for i in range(len(prompts)) for g in forcing.shortfall[f"p{i}"]]
     print(f"{name}: {len(expected) - len(differ)}/{len(expected)} greedy tokens agree; "
           f"where they differ the reference ranks the Triton token below its own by "
           f"{sorted(round(-short[i], 4) for i in differ)} (logits)")

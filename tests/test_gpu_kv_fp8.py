@@ -11,13 +11,12 @@ import random
 
 import pytest
 import torch
-from test_gpu import TeacherForcing
+from test_gpu import forced_run
 from test_kv_fp8 import compare_kernels
 from triton_interpreter import HAS_TRITON
 
 from tandem import LLM, SamplingParams
 from tandem.engine.config import NAMED_SHAPES, CacheConfig
-from tandem.engine.llm_engine import run_to_completion
 from tandem.engine.model_runner import num_kv_blocks
 
 pytestmark = [
@@ -65,11 +64,7 @@ def test_triton_engine_agrees_with_torch_over_an_fp8_cache(model: str) -> None:
     del fast
     _free()
     ref = LLM(model, attention_backend="torch", async_scheduling=False, **kwargs).engine
-    forcing = TeacherForcing(ref.runner.sampler, {f"p{i}": o for i, o in enumerate(outs)})
-    ref.runner.sampler = forcing
-    run_to_completion(ref, [ref.make_request(f"p{i}", p, params) for i, p in enumerate(prompts)])
-    picked = [t for i in range(len(prompts)) for t in forcing.picked[f"p{i}"]]
-    short = [g for i in range(len(prompts)) for g in forcing.shortfall[f"p{i}"]]
+    _, picked, short = forced_run(ref, prompts, outs, params)
     expected = [t for out in outs for t in out]
     differ = [i for i, (a, b) in enumerate(zip(picked, expected)) if a != b]
     total = len(expected)

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 from kv_helpers import roundtrip
-from test_gpu import TeacherForcing
+from test_gpu import forced_run
 from test_kernel_decode_attention import make_inputs
 from test_kernel_prefill_attention import MIXED, make_batch
 from triton_interpreter import HAS_TRITON, run_under_interpreter
@@ -20,7 +20,6 @@ from triton_interpreter import HAS_TRITON, run_under_interpreter
 from tandem import LLM, SamplingParams
 from tandem.engine.block_hash import hash_prompt, root_hash
 from tandem.engine.config import NAMED_SHAPES, CacheConfig
-from tandem.engine.llm_engine import run_to_completion
 from tandem.engine.model_runner import kv_block_bytes
 from tandem.kernels.kv_store import quantize_ref, read_kv_ref, store_kv_ref
 from tandem.kernels.paged_attention import paged_attention_ref
@@ -277,11 +276,7 @@ def test_greedy_tokens_follow_the_fp32_engine() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outs = [o.token_ids for o in LLM("tiny", **TINY).generate(prompts, params)]
     fp8 = LLM("tiny", kv_cache_dtype="fp8", async_scheduling=False, **TINY).engine
-    forcing = TeacherForcing(fp8.runner.sampler, {f"p{i}": o for i, o in enumerate(outs)})
-    fp8.runner.sampler = forcing
-    run_to_completion(fp8, [fp8.make_request(f"p{i}", p, params) for i, p in enumerate(prompts)])
-    picked = [t for i in range(len(prompts)) for t in forcing.picked[f"p{i}"]]
-    short = [g for i in range(len(prompts)) for g in forcing.shortfall[f"p{i}"]]
+    _, picked, short = forced_run(fp8, prompts, outs, params)
     expected = [t for out in outs for t in out]
     differ = [i for i, (a, b) in enumerate(zip(picked, expected)) if a != b]
     assert len(expected) == 320 and len(differ) <= 40, f"{len(differ)}/320 differ"
