@@ -135,17 +135,20 @@ def _stub(address: str) -> pb_grpc.NodeStub:
     return pb_grpc.NodeStub(channel)
 
 
-def _idle(address: str) -> bool:
+def _held(address: str) -> dict[str, int]:
+    """What the node at `address` holds: requests running, waiting, reserved, and blocks
+    in use; nothing is {}."""
     s = _stub(address).Stats(pb.StatsRequest(), timeout=10)
-    return (s.num_running, s.num_waiting, s.num_reserved, s.kv_blocks_free) == (
-        0, 0, 0, s.kv_blocks_total)
+    held = {"running": s.num_running, "waiting": s.num_waiting, "reserved": s.num_reserved,
+            "blocks": s.kv_blocks_total - s.kv_blocks_free}
+    return {what: n for what, n in held.items() if n}
 
 
 def _all_idle(cluster: Cluster, alive: list[subprocess.Popen], timeout: float = 60.0) -> None:
     """Every live node holds nothing, read from the nodes and from the router's /metrics."""
     deadline = time.monotonic() + timeout
-    while not all(_idle(cluster.addresses[p.pid]) for p in alive):
-        assert time.monotonic() < deadline, "blocks still held once idle"
+    while held := {a: h for p in alive if (h := _held(a := cluster.addresses[p.pid]))}:
+        assert time.monotonic() < deadline, f"still held once idle: {held}"
         time.sleep(0.2)
     live = {cluster.addresses[p.pid] for p in alive}
     while True:  # the router polls its nodes every second
@@ -223,8 +226,8 @@ def test_the_router_killed_mid_request_frees_every_block() -> None:
         assert all(o.lost and not o.done for o in outcomes), outcomes
         deadline = time.monotonic() + 30
         alive = [*c.prefill, *c.decode]
-        while not all(_idle(c.addresses[p.pid]) for p in alive):
-            assert time.monotonic() < deadline, "a node kept blocks after the router died"
+        while held := {a: h for p in alive if (h := _held(a := c.addresses[p.pid]))}:
+            assert time.monotonic() < deadline, f"kept after the router died: {held}"
             time.sleep(0.2)
 
 
