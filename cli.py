@@ -28,11 +28,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="auto: the KV cache in --dtype; fp8: in FP8 (e4m3, a scale per layer), "
                         "twice the blocks of bf16 in the same memory (default: %(default)s)")
-    g.add_argument("--cpu-weights", default="fp32", choices=["auto", "fp32", "bf16"],
+    g.add_argument("--cpu-weights", default="fp32", choices=["auto", "fp32", "fp16", "bf16"],
                    help="on the CPU, an fp32 model's decoder linear layers: fp32 (token-exact "
-                        "against transformers), bf16 (packed once for oneDNN: half the bytes "
-                        "a token reads; activations rounded to bf16), auto (bf16 where the CPU "
-                        "has AVX512-BF16 or AMX, else fp32) (default: %(default)s)")
+                        "against transformers), fp16 (those and the logits packed once for "
+                        "fbgemm: half the bytes a decode step reads, activations kept fp32; "
+                        "x86 with AVX2), bf16 (packed once for oneDNN, activations rounded to "
+                        "bf16), auto (fp16 where it runs, else bf16 where the CPU has "
+                        "AVX512-BF16 or AMX, else fp32) (default: %(default)s)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     g.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV block (default: %(default)s)")

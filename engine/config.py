@@ -372,7 +372,7 @@ class SchedulerConfig:
 
 
 QUANTIZATIONS = (None, "fp8")
-CPU_WEIGHTS = ("auto", "fp32", "bf16")
+CPU_WEIGHTS = ("auto", "fp32", "fp16", "bf16")
 
 
 @dataclass(frozen=True)
@@ -398,8 +398,8 @@ class EngineConfig:
     # None: as the checkpoint stores them (an FP8 checkpoint loads as FP8 either way).
     quantization: str | None = None
     # An fp32 model's decoder linear layers on the CPU: "fp32" as loaded (token-exact
-    # against transformers), "bf16" packed for oneDNN (engine/cpu_linear.py), "auto" bf16
-    # where the CPU multiplies bf16 in hardware, else fp32.
+    # against transformers), "fp16" packed for fbgemm with the logits, "bf16" packed for
+    # oneDNN (engine/cpu_linear.py), "auto" the fastest this CPU runs (weights_mode).
     cpu_weights: str = "fp32"
 
     def __post_init__(self) -> None:

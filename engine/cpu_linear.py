@@ -83,6 +83,9 @@ def packed_rows(rows: int) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:  # x: [T, in], weight: [out, in] -> [T, out]
+    fp16 = getattr(weight, _PACKED_FP16, None)
+    if fp16 is not None and x.shape[0] <= _FP16_MAX_ROWS:  # the bias is in the packing
+        return torch.ops.quantized.linear_dynamic_fp16(x, fp16)
     bf16 = getattr(weight, _PACKED_BF16, None)
     if bf16 is not None:
         return _bf16_linear(x, bf16, bias)
@@ -114,16 +117,37 @@ def has_native_bf16() -> bool:
         torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+@functools.cache
+def has_fp16_gemm() -> bool:
+    """Whether fbgemm's fp16-weight GEMM runs here (x86 with AVX2: it widens the weights
+    with F16C). Tried once on a tiny layer rather than inferred from flags."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    try:
+        packed = torch.ops.quantized.linear_prepack_fp16(torch.ones(8, 8), None)
+        out = torch.ops.quantized.linear_dynamic_fp16(torch.ones(1, 8), packed)
+    except RuntimeError:
+        return False
+    return bool(torch.all(out == 8))
+
+
 def weights_mode(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """What `cpu_weights` comes to here: bf16 only for an fp32 model on the CPU, asked for
-    or (auto) where the CPU multiplies bf16 in hardware."""
+    """What `cpu_weights` comes to here: fp16 or bf16 only for an fp32 model on the CPU,
+    asked for or (auto) where the CPU runs it fast: fp16 wherever fbgemm's fp16 GEMM runs
+    (the fastest of the three up to 8 rows, and the most accurate of the two halves),
+    else bf16 where the CPU multiplies bf16 in hardware, else fp32."""
     fits = device.type == "cpu" and dtype == torch.float32
-    if choice == "bf16" and not fits:
-        raise ValueError("cpu_weights='bf16' is for an fp32 model on the CPU "
+    if choice in ("fp16", "bf16") and not fits:
+        raise ValueError(f"cpu_weights={choice!r} is for an fp32 model on the CPU "
                          f"(got {dtype} on {device})")
-    if choice == "auto":
-        return "bf16" if fits and has_native_bf16() else "fp32"
-    return choice
+    if choice == "fp16" and not has_fp16_gemm():
+        raise ValueError("cpu_weights='fp16' needs fbgemm's fp16 GEMM (an x86 CPU with "
+                         "AVX2); choose bf16 or fp32")
+    if choice != "auto":
+        return choice
+    if fits and has_fp16_gemm():
+        return "fp16"
+    return "bf16" if fits and has_native_bf16() else "fp32"
 
 
 @torch.no_grad()
@@ -157,3 +181,30 @@ def _bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     out = torch.ops.mkldnn._linear_pointwise(xb, packed, None, "none", [], "")[:rows]
     out = out.to(x.dtype)
     return out if bias is None else out + bias
+
+
+# The attribute on a weight holding its fbgemm fp16 packing (`pack_fp16`), bias included.
+_PACKED_FP16 = "_tandem_fbgemm_fp16"
+# Up to this many rows an fp16-packed weight runs fbgemm's fp16 GEMM; above, the fp32
+# weight's path. On the 2-core machine, SmolLM2's 30 layers (benchmarks/cpu_gemm_modes.py):
+# 1 row 8.7 ms (bf16 12.8, fp32 packed 20.4), 8 rows 13.0 (13.2, 21.6), 64 rows 70.5
+# (42.6, 74.4), 128 rows 137 (76, 135): fp16 is widened to fp32 and multiplied in fp32.
+_FP16_MAX_ROWS = 64
+
+
+@torch.no_grad()
+def pack_fp16(model: torch.nn.Module, logits_weight: torch.Tensor) -> int:
+    """Pack the decoder layers' linear weights and the logits' as fp16 for fbgemm (half
+    the bytes a decode step reads); returns how many. Activations, accumulation and
+    results stay fp32; only the weights are rounded (to 11 significant bits, where bf16
+    keeps 8). The fp32 weights stay for steps of many rows (prompts)."""
+    setattr(logits_weight, _PACKED_FP16,
+            torch.ops.quantized.linear_prepack_fp16(logits_weight.detach().float(), None))
+    packed = 1
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in LAYERS and isinstance(module, torch.nn.Linear):
+            bias = None if module.bias is None else module.bias.detach()
+            setattr(module.weight, _PACKED_FP16,
+                    torch.ops.quantized.linear_prepack_fp16(module.weight.detach(), bias))
+            packed += 1
+    return packed

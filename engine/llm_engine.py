@@ -103,6 +103,8 @@ class LLMEngine:
         self.cpu_weights = cpu_linear.weights_mode(config.cpu_weights, device, config.dtype)
         if self.cpu_weights == "bf16":
             cpu_linear.pack_bf16(model, model.logits_weight)
+        elif self.cpu_weights == "fp16":
+            cpu_linear.pack_fp16(model, model.logits_weight)
         model.eval()
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(src)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())

@@ -30,11 +30,25 @@ def apply_rope_ref_(
     cache: torch.Tensor,  # [max_positions, D] float32, from rope_cache
 ) -> None:
     half = cache.shape[1] // 2
-    cos, sin = cache[positions, None, :half], cache[positions, None, half:]  # [T, 1, D/2]
-    for x in (q, k):
+    cos_sin = cache[positions, None]  # [T, 1, D]
+    cos, sin = cos_sin[..., :half], cos_sin[..., half:]  # [T, 1, D/2]
+    for x in _heads(q, k):
         x1, x2 = x[..., :half].float(), x[..., half:].float()  # views when x is fp32
         out1, out2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
         x[..., :half], x[..., half:] = out1, out2
+
+
+def _heads(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(one [T, Hq + Hkv, D] view of both) where k's heads follow q's in memory, row by
+    row (a fused qkv's views), so one pass of a few torch ops rotates both: half of a CPU
+    decode step's rope time is those ops' overhead. Else (q, k)."""
+    t, hq, d = q.shape
+    follows = (k.dtype == q.dtype and q.stride()[1:] == k.stride()[1:] == (d, 1)
+               and k.stride(0) == q.stride(0)
+               and k.data_ptr() == q.data_ptr() + hq * d * q.element_size())
+    if not follows:
+        return q, k
+    return (q.as_strided((t, hq + k.shape[1], d), q.stride()),)
 
 
 def apply_rope_(

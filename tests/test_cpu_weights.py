@@ -1,7 +1,8 @@
-"""`cpu_weights="bf16"`: an fp32 model's decoder linear layers packed as bf16 for oneDNN
-on the CPU (engine/cpu_linear.py). Each layer computes what bf16 inputs and weights
-with fp32 accumulation give; SmolLM2's greedy tokens against fp32's are reported per
-prompt (the 20 prompts of the GPU test), and the chat answer still says Paris."""
+"""`cpu_weights="bf16"` and `"fp16"`: an fp32 model's decoder linear layers packed as bf16
+for oneDNN, or (with the logits) as fp16 for fbgemm, on the CPU (engine/cpu_linear.py).
+Each layer computes what its rounded weights (and, for bf16, inputs) with fp32
+accumulation give; SmolLM2's greedy tokens against fp32's are reported per prompt (the 20
+prompts of the GPU test), and the chat answer still says Paris."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ def _cpu_weights(config: EngineConfig, device: torch.device) -> str:
 
 needs_bf16 = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="needs oneDNN")
+needs_fp16 = pytest.mark.skipif(not cpu_linear.has_fp16_gemm(),
+                                reason="needs fbgemm's fp16 GEMM (x86 with AVX2)")
 
 
 @needs_bf16
@@ -51,35 +54,75 @@ def test_bf16_weights_pack_every_decoder_linear_layer_and_keep_the_logits_fp32()
     assert len(llm.generate([1, 2, 3], params)[0].token_ids) == 8
 
 
-def test_auto_picks_bf16_only_for_an_fp32_model_on_a_cpu_with_bf16() -> None:
+@needs_fp16
+@pytest.mark.parametrize("rows", [1, 5, 64, 65])
+def test_an_fp16_layer_multiplies_fp32_inputs_by_fp16_rounded_weights(rows: int) -> None:
+    """Up to 64 rows fbgemm's fp16 GEMM (the bias packed with the weight); more rows the
+    fp32 weight as it is."""
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(576, 1536, bias=True)
+    holder = torch.nn.Module()
+    holder.down_proj = linear
+    assert cpu_linear.pack_fp16(holder, torch.zeros(8, 576)) == 2  # the logits too
+    x = torch.randn(rows, 576)
+    got = cpu_linear.linear(x, linear.weight, linear.bias).double()
+    w = linear.weight.half() if rows <= 64 else linear.weight
+    exact = x.double() @ w.double().t() + linear.bias.double()
+    # fp32 accumulation of 576 products: within a few fp32 steps of the sum's magnitude.
+    bound = (x.double().abs() @ w.double().abs().t() + linear.bias.double().abs()) * 2**-20
+    assert torch.all((got - exact).abs() <= bound)
+    if rows <= 64:  # and not the fp32 weight's product: the rounding shows
+        assert not torch.allclose(got, x.double() @ linear.weight.double().t()
+                                  + linear.bias.double(), rtol=0, atol=1e-6)
+
+
+@needs_fp16
+def test_fp16_weights_pack_every_decoder_linear_layer_and_the_logits() -> None:
+    llm = LLM("tiny", load_format="dummy", num_kv_blocks=32, cpu_weights="fp16")
+    assert llm.engine.cpu_weights == "fp16"
+    model = llm.engine.runner.model
+    packed = [n for n, p in model.named_parameters() if hasattr(p, cpu_linear._PACKED_FP16)]
+    assert len(packed) == 4 * model.config.num_layers + 1
+    assert hasattr(model.logits_weight, cpu_linear._PACKED_FP16)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert len(llm.generate([1, 2, 3], params)[0].token_ids) == 8
+
+
+def test_auto_picks_fp16_or_bf16_only_for_an_fp32_model_on_the_cpu() -> None:
     auto = EngineConfig("tiny", cpu_weights="auto")
-    native = "bf16" if cpu_linear.has_native_bf16() else "fp32"
+    native = ("fp16" if cpu_linear.has_fp16_gemm()
+              else "bf16" if cpu_linear.has_native_bf16() else "fp32")
     assert _cpu_weights(auto, torch.device("cpu")) == native
     assert _cpu_weights(auto, torch.device("cuda")) == "fp32"
     assert _cpu_weights(EngineConfig("tiny", dtype=torch.bfloat16, cpu_weights="auto"),
                         torch.device("cpu")) == "fp32"
-    with pytest.raises(ValueError, match="cpu_weights='bf16' is for an fp32 model on the CPU"):
-        _cpu_weights(EngineConfig("tiny", dtype=torch.bfloat16, cpu_weights="bf16"),
-                     torch.device("cpu"))
+    for mode in ("bf16", "fp16"):
+        with pytest.raises(ValueError, match=f"cpu_weights='{mode}' is for an fp32 model on"):
+            _cpu_weights(EngineConfig("tiny", dtype=torch.bfloat16, cpu_weights=mode),
+                         torch.device("cpu"))
     with pytest.raises(ValueError, match="unknown cpu_weights 'int3'"):
         EngineConfig("tiny", cpu_weights="int3")
 
 
-@needs_bf16
-def test_smollm2_in_bf16_agrees_with_fp32_and_still_says_paris(offline) -> None:  # noqa: ANN001
-    """The 20 prompts of the GPU test, 32 greedy tokens each: how many lead tokens bf16
-    shares with fp32, per prompt (printed); most prompts agree for a good while, and the
+@pytest.mark.parametrize("mode", [
+    pytest.param("bf16", marks=needs_bf16),
+    pytest.param("fp16", marks=needs_fp16),
+])
+def test_smollm2_agrees_with_fp32_and_still_says_paris(offline, mode: str) -> None:  # noqa: ANN001
+    """The 20 prompts of the GPU test, 32 greedy tokens each: how many lead tokens `mode`
+    shares with fp32, per prompt (printed); most prompts agree for a good while (fp16,
+    whose activations stay fp32: 20 of 20 for all 32 on the 2-core machine), and the
     capital of France is still Paris."""
-    bf16 = LLM("smollm2-135m-instruct", num_kv_blocks=1024, cpu_weights="bf16")
-    tok = bf16.get_tokenizer()
+    half = LLM("smollm2-135m-instruct", num_kv_blocks=1024, cpu_weights=mode)
+    tok = half.get_tokenizer()
     prompts = ([tok.apply_chat_template([{"role": "user", "content": c}])
                 for c in CHAT + [LONG_CHAT]] + [tok.encode(r) for r in RAW + [LONG_RAW]])
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     want = [o.token_ids for o in offline.generate(prompts, params)]
-    got = [o.token_ids for o in bf16.generate(prompts, params)]
+    got = [o.token_ids for o in half.generate(prompts, params)]
     lead = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
             for g, w in zip(got, want)]
-    print(f"bf16 against fp32, equal lead tokens of 32 per prompt: {lead}")
-    assert sum(n == 32 for n in lead) >= len(prompts) // 2, lead
-    answer = bf16.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=24))
+    print(f"{mode} against fp32, equal lead tokens of 32 per prompt: {lead}")
+    assert sum(n == 32 for n in lead) >= len(prompts) * {"bf16": 1 / 2, "fp16": 3 / 4}[mode], lead
+    answer = half.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=24))
     assert "Paris" in answer[0].text

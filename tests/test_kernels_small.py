@@ -164,8 +164,13 @@ def test_references_match_hugging_face_llama() -> None:
     freqs = positions.float()[:, None] * inv_freq(64)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, D], as HF's rotary
     want_q, want_k = llama.apply_rotary_pos_emb(q, k, emb.cos(), emb.sin(), unsqueeze_dim=1)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), torch.zeros(7, 3 * 64)], dim=1)
+    fused_q, fused_k = qkv[:, :576].view(7, 9, 64), qkv[:, 576:768].view(7, 3, 64)
     apply_rope_ref_(q, k, positions, rope_cache(inv_freq(64), 4096))
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    apply_rope_ref_(fused_q, fused_k, positions, rope_cache(inv_freq(64), 4096))  # one pass
+    assert torch.equal(fused_q, want_q) and torch.equal(fused_k, want_k)
+    assert not qkv[:, 768:].any()  # v, next to k, untouched
     gate_up = torch.randn(7, 2 * 100, generator=g)
     assert torch.equal(silu_mul_ref(gate_up), F.silu(gate_up[:, :100]) * gate_up[:, 100:])
 
