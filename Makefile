@@ -6,8 +6,11 @@ COMPOSE = .venv/bin/podman-compose -f deploy/compose.yaml --env-file deploy/.env
 setup:
 	bash scripts/setup.sh
 
+# On a laptop's CPU one node that prefills and decodes, with its weights in half
+# precision, is the fast path (README, "On the CPU"); --prefill 1 --decode 1 (the
+# default without these flags) shows disaggregation.
 run: setup
-	.venv/bin/tandem up
+	.venv/bin/tandem up --colocated 1 --cpu-weights auto
 
 test: setup
 	bash scripts/test.sh
