@@ -5,11 +5,15 @@ format's time per call at 1 and 8 rows, on this machine's threads.
     .venv/bin/python benchmarks/cpu_gemm_modes.py [--model smollm2-135m] [--json out.json]
 
 Formats: fp32 through torch's GEMM (MKL); fp32 and bf16 weights packed once by oneDNN
-(`engine/cpu_linear.py`'s path; bf16 activations in and fp32 out); int8 weights with
-per-channel scales (`aten._weight_int8pack_mm`); int4 in groups of 32 with scales and
-zero points (`aten._weight_int4pack_mm_for_cpu`). The weights are random: only speed is
-measured here. A format this CPU or this torch build cannot run (oneDNN's bf16 packing on
-a CPU without AVX-512, say) is reported as unsupported, with its error, and skipped.
+(`engine/cpu_linear.py`'s path; bf16 activations in and fp32 out); fp16 weights packed
+by fbgemm (fp32 activations, `--cpu-weights fp16`); int8 weights with per-channel scales
+(`aten._weight_int8pack_mm`, weight-only; fbgemm's, activations quantized per call); int4
+in groups of 32 with scales and zero points (`aten._weight_int4pack_mm_for_cpu`).
+Each GEMM is timed alone (its weight stays in cache), and the model's layers as a step
+runs them (`step_ms`: every layer's weights distinct, read from memory). The weights are
+random: only speed is measured here. A format this CPU or this torch build cannot run
+(oneDNN's bf16 packing on a CPU without AVX-512, say) is reported as unsupported, with its
+error, and skipped.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import json
 import platform
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -74,6 +79,21 @@ def _int4(w: torch.Tensor) -> Gemm:
     return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4, GROUP, scales_zeros)
 
 
+def _fp16(w: torch.Tensor) -> Gemm:
+    packed = torch.ops.quantized.linear_prepack_fp16(w, None)
+    return lambda x: torch.ops.quantized.linear_dynamic_fp16(x, packed)
+
+
+def _int8_dynamic(w: torch.Tensor) -> Gemm:
+    with warnings.catch_warnings():  # quantized tensors are deprecated, still here in 2.13
+        warnings.simplefilter("ignore")
+        q = torch.quantize_per_channel(w, (w.abs().amax(1) / 127).double(),
+                                       torch.zeros(w.shape[0], dtype=torch.long), 0,
+                                       torch.qint8)
+    packed = torch.ops.quantized.linear_prepack(q, None)
+    return lambda x: torch.ops.quantized.linear_dynamic(x, packed, False)
+
+
 def formats(w: torch.Tensor, rows: int) -> dict[str, Callable[[], Gemm]]:
     """Each format's maker: it prepares the weight (packing, quantizing) and returns the
     GEMM; either step raises where this CPU or torch build lacks the format."""
@@ -81,7 +101,9 @@ def formats(w: torch.Tensor, rows: int) -> dict[str, Callable[[], Gemm]]:
         "fp32 (MKL)": lambda: lambda x: F.linear(x, w),
         "fp32 packed": lambda: _packed(w, rows, bf16=False),
         "bf16 packed": lambda: _packed(w, rows, bf16=True),
+        "fp16 fbgemm": lambda: _fp16(w),
         "int8": lambda: _int8(w),
+        "int8 fbgemm dynamic": lambda: _int8_dynamic(w),
         "int4 g32": lambda: _int4(w),
     }
 
@@ -95,11 +117,36 @@ def measure(make: Callable[[], Gemm], x: torch.Tensor) -> float | str:
         return f"unsupported: {str(exc).splitlines()[0][:200]}"
 
 
+def step_ms(model: str, rows: int, fmt: str) -> float | str:
+    """The model's layers' GEMMs at `rows` rows, each layer's weights its own (a step's
+    reads come from memory, not cache): the best of five, in ms."""
+    layers = NAMED_SHAPES[model].num_layers
+    gemms = []
+    try:
+        for _ in range(layers):
+            for name, (n, k) in shapes(model).items():
+                if name != "lm_head":
+                    gemm = formats(torch.randn(n, k) * 0.02, rows)[fmt]()
+                    gemms.append((gemm, torch.randn(rows, k)))
+    except (RuntimeError, NotImplementedError) as exc:
+        return f"unsupported: {str(exc).splitlines()[0][:200]}"
+    best = float("inf")
+    for _ in range(7):
+        start = time.perf_counter()
+        for gemm, x in gemms:
+            gemm(x)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", choices=sorted(NAMED_SHAPES))
     p.add_argument("--rows", default="1,8", help="(default: %(default)s)")
     p.add_argument("--json", default=None)
+    p.add_argument("--skip-step", default="int8,int4 g32", type=lambda v: v.split(","),
+                   help="formats not timed over every layer: the slow ones "
+                        "(default: %(default)s)")
     args = p.parse_args()
     torch.manual_seed(0)
     results: dict[str, dict[str, dict[str, float]]] = {}
@@ -112,8 +159,11 @@ def main() -> None:
                if all(isinstance(table[s][f], float) for s in table)]
         layer = {f: sum(table[s][f] for s in table if s != "lm_head") for f in ran}
         unsupported = {f: table["qkv"][f] for f in table["qkv"] if f not in ran}
-        results[str(rows)] = {"per_gemm_us": table, "layer_us": layer,
+        step = {f: step_ms(args.model, rows, f) for f in ran if f not in args.skip_step}
+        results[str(rows)] = {"per_gemm_us": table, "layer_us": layer, "step_ms": step,
                               "unsupported": unsupported}
+        print(f"{rows} rows, every layer's GEMMs, weights from memory (ms): "
+              + ", ".join(f"{f} {v:,.1f}" for f, v in step.items()))
         print(f"{rows} rows, one layer's GEMMs (us): "
               + ", ".join(f"{f} {v:,.0f}" for f, v in layer.items()))
         print(f"{rows} rows, LM head (us): "

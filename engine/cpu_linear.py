@@ -25,8 +25,8 @@ Half the bytes (`--cpu-weights`): bf16 weights packed for oneDNN (`pack_bf16`; t
 are rounded to bf16 too), or fp16 weights packed for fbgemm (`pack_fp16`; the inputs stay
 fp32, the weights are widened to fp32 in registers). fp16 is the faster at a decode
 step's rows on the 2-core machine and keeps SmolLM2's greedy tokens; fbgemm's int8 GEMM
-(activations quantized per call, one scale a row) was faster still (5.4 ms for the 30
-layers at one row against fp16's 8.7) but changed SmolLM2's first token on 9 of the 20
+(activations quantized per call, one scale a row) was faster still (6.5 ms for the 30
+layers at one row against fp16's 8.8) but changed SmolLM2's first token on 9 of the 20
 test prompts, so it is not offered.
 """
 
@@ -195,8 +195,8 @@ def _bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
 _PACKED_FP16 = "_tandem_fbgemm_fp16"
 # Up to this many rows an fp16-packed weight runs fbgemm's fp16 GEMM; above, the fp32
 # weight's path. On the 2-core machine, SmolLM2's 30 layers (benchmarks/cpu_gemm_modes.py):
-# 1 row 8.7 ms (bf16 12.8, fp32 packed 20.4), 8 rows 13.0 (13.2, 21.6), 64 rows 70.5
-# (42.6, 74.4), 128 rows 137 (76, 135): fp16 is widened to fp32 and multiplied in fp32.
+# 1 row 8.8 ms (bf16 12.6, fp32 packed 22.4), 8 rows 12.5 (12.9, 20.3), 64 rows 71.0
+# (42.5, 74.9): fp16 is widened and multiplied in fp32, as fast as fp32 once rows are many.
 _FP16_MAX_ROWS = 64
 
 
