@@ -207,7 +207,7 @@ def pack_fp16(model: torch.nn.Module, logits_weight: torch.Tensor) -> int:
     results stay fp32; only the weights are rounded (to 11 significant bits, where bf16
     keeps 8). The fp32 weights stay for steps of many rows (prompts)."""
     setattr(logits_weight, _PACKED_FP16,
-            torch.ops.quantized.linear_prepack_fp16(logits_weight.detach().float(), None))
+            torch.ops.quantized.linear_prepack_fp16(logits_weight.detach(), None))
     packed = 1
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in LAYERS and isinstance(module, torch.nn.Linear):

@@ -43,15 +43,21 @@ def test_a_packed_layer_computes_in_bf16_with_fp32_accumulation(rows: int) -> No
 
 @needs_bf16
 def test_bf16_weights_pack_every_decoder_linear_layer_and_keep_the_logits_fp32() -> None:
-    llm = LLM("tiny", load_format="dummy", num_kv_blocks=32, cpu_weights="bf16")
-    assert llm.engine.cpu_weights == "bf16"
-    model = llm.engine.runner.model
-    packed = [n for n, p in model.named_parameters() if hasattr(p, cpu_linear._PACKED_BF16)]
+    model, packed = _tiny_packed("bf16", cpu_linear._PACKED_BF16)
     assert len(packed) == 4 * model.config.num_layers
     assert not hasattr(model.model.embed_tokens.weight, cpu_linear._PACKED_BF16)
     assert getattr(model.logits_weight, cpu_linear._ALWAYS_PACKED)  # fp32, packed
+
+
+def _tiny_packed(mode: str, attribute: str) -> tuple[torch.nn.Module, list[str]]:
+    """A tiny model loaded with cpu_weights=`mode`, which generates 8 tokens, and the
+    names of its parameters that carry `attribute` (a packing)."""
+    llm = LLM("tiny", load_format="dummy", num_kv_blocks=32, cpu_weights=mode)
+    assert llm.engine.cpu_weights == mode
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert len(llm.generate([1, 2, 3], params)[0].token_ids) == 8
+    model = llm.engine.runner.model
+    return model, [n for n, p in model.named_parameters() if hasattr(p, attribute)]
 
 
 @needs_fp16
@@ -78,14 +84,9 @@ def test_an_fp16_layer_multiplies_fp32_inputs_by_fp16_rounded_weights(rows: int)
 
 @needs_fp16
 def test_fp16_weights_pack_every_decoder_linear_layer_and_the_logits() -> None:
-    llm = LLM("tiny", load_format="dummy", num_kv_blocks=32, cpu_weights="fp16")
-    assert llm.engine.cpu_weights == "fp16"
-    model = llm.engine.runner.model
-    packed = [n for n, p in model.named_parameters() if hasattr(p, cpu_linear._PACKED_FP16)]
+    model, packed = _tiny_packed("fp16", cpu_linear._PACKED_FP16)
     assert len(packed) == 4 * model.config.num_layers + 1
     assert hasattr(model.logits_weight, cpu_linear._PACKED_FP16)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    assert len(llm.generate([1, 2, 3], params)[0].token_ids) == 8
 
 
 def test_auto_picks_fp16_or_bf16_only_for_an_fp32_model_on_the_cpu() -> None:

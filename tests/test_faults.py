@@ -144,10 +144,16 @@ def _held(address: str) -> dict[str, int]:
     return {what: n for what, n in held.items() if n}
 
 
+def _holding(cluster: Cluster, alive: list[subprocess.Popen]) -> dict[str, dict[str, int]]:
+    """The live nodes that hold something, by address: what each holds."""
+    held = {cluster.addresses[p.pid]: _held(cluster.addresses[p.pid]) for p in alive}
+    return {address: h for address, h in held.items() if h}
+
+
 def _all_idle(cluster: Cluster, alive: list[subprocess.Popen], timeout: float = 60.0) -> None:
     """Every live node holds nothing, read from the nodes and from the router's /metrics."""
     deadline = time.monotonic() + timeout
-    while held := {a: h for p in alive if (h := _held(a := cluster.addresses[p.pid]))}:
+    while held := _holding(cluster, alive):
         assert time.monotonic() < deadline, f"still held once idle: {held}"
         time.sleep(0.2)
     live = {cluster.addresses[p.pid] for p in alive}
@@ -226,7 +232,7 @@ def test_the_router_killed_mid_request_frees_every_block() -> None:
         assert all(o.lost and not o.done for o in outcomes), outcomes
         deadline = time.monotonic() + 30
         alive = [*c.prefill, *c.decode]
-        while held := {a: h for p in alive if (h := _held(a := c.addresses[p.pid]))}:
+        while held := _holding(c, alive):
             assert time.monotonic() < deadline, f"kept after the router died: {held}"
             time.sleep(0.2)
 
