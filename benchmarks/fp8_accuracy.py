@@ -2,8 +2,9 @@
 
 The bf16 engine decodes `--steps` greedy tokens for each of the 20 prompts of the GPU
 test (tests/prompts.py), keeping every step's logits; the FP8 engine (`--quantization
-fp8`, and `--kv-cache-dtype fp8` if asked) then decodes the same prompts, handed the bf16
-tokens at every step, so both score each position from the same prefix. Reported: how
+fp8`, and `--kv-cache-dtype fp8` if asked) then decodes the same prompts (as one batch,
+or each alone with `--alone`: the single-row path), handed the bf16 tokens at every
+step, so both score each position from the same prefix. Reported: how
 often the FP8 engine's greedy token is bf16's, and the largest (and mean) absolute
 difference of the two logit rows. One JSON.
 
@@ -53,14 +54,17 @@ class Recorder:
 
 
 def run(args: argparse.Namespace, prompts: list[list[int]], forced: dict[str, list[int]] | None,
-        **kwargs: Any) -> Recorder:
+        alone: bool = False, **kwargs: Any) -> Recorder:
+    """Decode `prompts` as one batch, or each `alone` (one row a step: FP8's single-row
+    kernels and its FP8 logits)."""
     engine = LLM(MODEL, device=args.device, dtype="bfloat16", num_kv_blocks=8192,
                  async_scheduling=False, **kwargs).engine
     recorder = Recorder(engine.runner.sampler, forced)
     engine.runner.sampler = recorder
     params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
-    run_to_completion(engine, [engine.make_request(f"p{i}", p, params)
-                               for i, p in enumerate(prompts)])
+    requests = [engine.make_request(f"p{i}", p, params) for i, p in enumerate(prompts)]
+    for batch in ([[r] for r in requests] if alone else [requests]):
+        run_to_completion(engine, batch)
     del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -72,6 +76,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100, help="decode steps a prompt")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="the FP8 engine's KV cache (default: %(default)s, bf16)")
+    p.add_argument("--alone", action="store_true",
+                   help="the FP8 engine decodes each prompt by itself (batch 1: its single-row "
+                        "path, FP8 logits included); by default all 20 as one batch")
     p.add_argument("--device", default="cuda", help="(default: %(default)s)")
     p.add_argument("--kind", default=None, help="the machine's label, put in the JSON")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -81,7 +88,8 @@ def main() -> None:
                 for c in CHAT + [LONG_CHAT]] + [tok.encode(r) for r in RAW + [LONG_RAW]])
     base = run(args, prompts, None)
     forced = {rid: base.picked[rid] for rid in base.picked}
-    fp8 = run(args, prompts, forced, quantization="fp8", kv_cache_dtype=args.kv_cache_dtype)
+    fp8 = run(args, prompts, forced, args.alone, quantization="fp8",
+              kv_cache_dtype=args.kv_cache_dtype)
     agree = total = 0
     largest = mean_sum = 0.0
     per_prompt = []
@@ -98,7 +106,8 @@ def main() -> None:
     card = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     out = {"model": MODEL, "kind": args.kind, "device": card,
            "date": time.strftime("%Y-%m-%d"), "dtype": "bfloat16", "quantization": "fp8",
-           "kv_cache_dtype": args.kv_cache_dtype, "steps": total, "top1_agree": agree,
+           "kv_cache_dtype": args.kv_cache_dtype, "alone": args.alone, "steps": total,
+           "top1_agree": agree,
            "top1_agreement": agree / total, "largest_logit_difference": largest,
            "mean_logit_difference": mean_sum / total, "prompts": per_prompt}
     print(json.dumps({k: v for k, v in out.items() if k != "prompts"}))

@@ -75,7 +75,7 @@ def timed(fn: Any, reps: int) -> float:
 def sweep_configs(m: int) -> list[dict[str, int]]:
     """fp8_gemm's tiles to try at `m` rows."""
     if m == 1:
-        grid = itertools.product((8, 16, 32), (1024, 2048), (4, 8), (3, 4))
+        grid = itertools.product((4, 8, 16), (1024, 2048, 4096), (4, 8), (2, 3, 4))
         return [{"BLOCK_M": 1, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
                 for n, k, w, st in grid]
     grid = itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4))

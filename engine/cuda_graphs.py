@@ -51,6 +51,8 @@ class _Graphs:
     and run eagerly: the very work a graph would replay, its layout included."""
 
     desc = ""
+    # Rows of logits a replay returns: every row of the layout that has them, or the first n.
+    logits_kept: int | None = None
 
     def __init__(self, runner: ModelRunner, sizes: list[int]) -> None:
         self.runner = runner
@@ -63,7 +65,7 @@ class _Graphs:
         return self.sizes[i] if i < len(self.sizes) else None
 
     def replay(self, bucket: int) -> torch.Tensor:
-        return self._replays[bucket]()  # [rows with logits in the bucket's layout, V]
+        return self._replays[bucket]()  # [rows with logits (or logits_kept of them), V]
 
     @torch.inference_mode()
     def capture(self, pool: tuple[int, int] | None, show_progress: bool = True) -> None:
@@ -107,7 +109,7 @@ class _Graphs:
             hidden = r.model(views["ids"], views["positions"], r.kv_caches, state)
             if layout.num_logits != layout.num_tokens:
                 hidden = hidden[views["logits_rows"]]
-            return r.model.compute_logits(hidden)
+            return r.model.compute_logits(hidden[: self.logits_kept])
 
         return forward
 
@@ -134,9 +136,12 @@ class DecodeGraphs(_Graphs):
 class PrefillGraphs(_Graphs):
     """A step of one request computing n > 1 tokens, padded to a bucket of T tokens:
     the request is sequence 0, the T - n padding tokens sequence 1 (on the null row),
-    and both sequences' last tokens get logits (`ModelRunner._pack_prefill`)."""
+    and both sequences' last tokens get logits rows (`ModelRunner._pack_prefill`), of
+    which only the request's is computed: a single row, as the eager step of that request
+    computes it (FP8's single-row logits differ from its batched ones)."""
 
     desc = "capturing prefill graphs"
+    logits_kept = 1
 
     def __init__(self, runner: ModelRunner, max_tokens: int) -> None:
         super().__init__(runner, prefill_sizes(max_tokens))

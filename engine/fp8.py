@@ -9,21 +9,27 @@ Two ways in, one layer:
   per row.
 
 Which layers: attention's qkv and output projections and the dense MLP's (the GEMMs of
-a step's weight bytes). The embeddings, the logits' GEMM, the norms, the MoE router and
-the stacked experts stay in the model's dtype (the fused MoE kernel reads bf16).
+a step's weight bytes). The embeddings, the norms, the MoE router and the stacked
+experts stay in the model's dtype (the fused MoE kernel reads bf16). The logits' GEMM
+too, except for a single row on CUDA under `--quantization fp8` (`quantize_logits`):
+a decode step of one sequence reads the logits' weight whole (1 GB of Llama-3-8B's 16 in
+bf16), so that row streams an FP8 copy of it, kept beside the weight.
 
 How a layer runs (`Fp8Linear.forward`), on CUDA:
 - one row (a decode step of one sequence): weight-only, kernels/fp8_gemm.py, which
   streams the FP8 bytes (x stays bf16);
 - more rows: x is quantized per row (dynamic per-token scales, kernels/fp8_quant.py) and
   `torch._scaled_mm` multiplies on the FP8 tensor cores with row-wise scales on both
-  sides. Measured against each other in kernels/fp8_gemm.py's docstring.
+  sides. Measured against each other in kernels/fp8_gemm.py's docstring. The MLP's
+  down projection takes silu(gate) * up quantized by the kernel that computes it
+  (`Fp8Linear.of_silu_mul`).
 Elsewhere (the CPU) the weight is widened per call: correct, slow, for tests.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -73,14 +79,43 @@ class Fp8Linear(nn.Module):
             return fp8_gemm(x, self.weight, self.weight_scale, self.bias)
         return scaled_mm(x, self.weight, self.weight_scale, self.bias)
 
+    def of_silu_mul(self, gate_up: torch.Tensor, silu_mul: Callable) -> torch.Tensor:
+        """This layer of silu(gate) * up ([T, 2F] -> [T, N]): on CUDA, more than
+        MAX_GEMV_ROWS rows are quantized by the kernel that computes them; else
+        `silu_mul` (the model's) then `forward`."""
+        if gate_up.is_cuda and triton is not None and gate_up.shape[0] > MAX_GEMV_ROWS:
+            xq, x_scale = fp8_quant.silu_mul_quantize(gate_up)
+            return _scaled(xq, x_scale, self.weight, self.weight_scale, self.bias,
+                           gate_up.dtype)
+        return self(silu_mul(gate_up))
+
 
 def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
     """x quantized per row, then cuBLAS's FP8 GEMM with row-wise scales on both sides."""
-    xq, x_scale = fp8_quant.quantize_rows(x)
+    return _scaled(*fp8_quant.quantize_rows(x), weight, scale, bias, x.dtype)
+
+
+def _scaled(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+            bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale[:, None], scale_b=scale[None, :],
-                           out_dtype=x.dtype)
+                           out_dtype=dtype)
     return out if bias is None else out + bias
+
+
+@torch.no_grad()
+def quantize_logits(model: nn.Module) -> None:
+    """Keep an FP8 copy of the logits' weight (per row, beside it) for single rows."""
+    model.logits_fp8 = quantize_rows_ref(model.logits_weight.detach())
+
+
+def logits(hidden: torch.Tensor, weight_fp8: tuple[torch.Tensor, torch.Tensor]
+           ) -> torch.Tensor | None:
+    """A single row's fp32 logits from the FP8 copy; None for more rows (or off CUDA):
+    those take the weight itself."""
+    if not hidden.is_cuda or triton is None or hidden.shape[0] > MAX_GEMV_ROWS:
+        return None
+    return fp8_gemm(hidden, *weight_fp8, out_dtype=torch.float32)
 
 
 def _swap(model: nn.Module, make: type[Fp8Linear] | None) -> None:

@@ -100,6 +100,8 @@ class LLMEngine:
             model.load_weights(load_weights(src, config.dtype))
         if config.quantization == "fp8" and mc.quantization != "fp8":
             fp8.quantize(model)
+        if config.quantization == "fp8" and device.type == "cuda":
+            fp8.quantize_logits(model)
         self.cpu_weights = cpu_linear.weights_mode(config.cpu_weights, device, config.dtype)
         if self.cpu_weights == "bf16":
             cpu_linear.pack_bf16(model, model.logits_weight)

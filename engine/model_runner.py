@@ -288,11 +288,11 @@ class ModelRunner:
             if bucket is not None:
                 self._upload(self._pack(batch, pad_to=1, prefill_to=bucket)[0])
                 self.steps["prefill_graph"] += 1
-                logits = self.prefill_graphs.replay(bucket)  # [2, V]: the request's first
+                logits = self.prefill_graphs.replay(bucket)  # [1, V]: the request's
                 if on_layer is not None:
                     for i in range(self.model.config.num_layers):
                         on_layer(i)
-                return logits[:1] if sampling else None
+                return logits if sampling else None
         bucket = None
         decode_only = batch.num_tokens == n == len(sampling)
         if self.graphs is not None and on_layer is None and decode_only:

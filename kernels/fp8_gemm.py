@@ -4,9 +4,9 @@ in registers (weight-only: x stays in its dtype), and its torch reference.
 
 Why a kernel of our own: at one row a linear layer is a read of its weight, so FP8
 should take half bf16's time. Measured on an H100, the 128 GEMMs of a Llama-3-8B step
-replayed in a CUDA graph (benchmarks/fp8_gemm.py): bf16 5.23 ms, this kernel 3.05-3.19
-ms with one set of tiles, 2.89 with each shape's own (`tiles`; the bytes alone 2.37 ms
-at the measured copy rate), `_scaled_mm` with x quantized per row 4.64 ms. From two
+replayed in a CUDA graph (benchmarks/fp8_gemm.py): bf16 5.23 ms, this kernel 2.85 ms
+with `tiles` (the bytes alone 2.37 ms at the measured copy rate), `_scaled_mm` with x
+quantized per row 4.64 ms. From two
 rows on `_scaled_mm` wins or ties (4.2-4.6 ms up to 256 rows, 27 ms against bf16's 41
 at 2,048), so engine/fp8.py sends only single rows here.
 
@@ -29,35 +29,39 @@ from tandem.kernels.fp8_quant import FP8
 
 
 def fp8_gemm_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (any float dtype), weight [N, K] FP8, scale [N] fp32 -> [M, N] in x's
-    dtype: the weight widened to fp32, scaled per row, multiplied in fp32."""
+                 bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
+    """x [M, K] (any float dtype), weight [N, K] FP8, scale [N] fp32 -> [M, N] in
+    `out_dtype` (x's by default): the weight widened to fp32, scaled per row, multiplied
+    in fp32."""
     w = weight.float() * scale.float()[:, None]
     out = x.float() @ w.t()
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype)
+    return out.to(out_dtype or x.dtype)
 
 
 def tiles(m: int, n: int, k: int) -> dict[str, int]:
-    """The kernel's tiles for an [m, k] x [k, n] product. At one row: eight output rows a
-    program, the best for each of Llama-3-8B's four layer shapes on an H100
-    (benchmarks/fp8_gemm.py --per-shape: qkv [6144, 4096] 0.378 ms for 32 layers, o
-    [4096, 4096] 0.299, gate_up [28672, 4096] 1.394, down [4096, 14336] 0.820; the bytes
-    alone 0.270, 0.180, 1.261, 0.631); long rows (K > 4,096) or many (N > 16,384) read
-    2,048 at a time, many with four warps."""
+    """The kernel's tiles for an [m, k] x [k, n] product. At one row: four output rows a
+    program; rows read 1,024 at a time, 2,048 where they are long (K > 4,096) or many
+    (N > 16,384); 8 warps for a small square layer, else 4. The best of a sweep (4 / 8 /
+    16 rows, 1,024-4,096 columns, 4 / 8 warps, 2-4 stages) for each of Llama-3-8B's shapes
+    on an H100, 32 layers of distinct weights in a CUDA graph, per layer: qkv [6144, 4096]
+    11.9 us, o [4096, 4096] 9.0, gate_up [28672, 4096] 42.5, down [4096, 14336] 24.9, the
+    logits [128256, 4096] 173 (bf16's 378); eight rows a program took 1-3% longer."""
     if m == 1:
-        return {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 2048 if k > 4096 or n > 16384 else 1024,
-                "num_warps": 4 if n > 16384 else 8, "num_stages": 3}
+        long = k > 4096 or n > 16384
+        return {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 2048 if long else 1024,
+                "num_warps": 8 if n <= 4096 and not long else 4, "num_stages": 3}
     return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4}
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-             bias: torch.Tensor | None = None, config: dict[str, int] | None = None
-             ) -> torch.Tensor:
-    """`fp8_gemm_ref` in one launch, accumulated in fp32. One-row tiles (`BLOCK_M` 1)
-    widen the weight and sum; others multiply on the tensor cores, the weight widened to
-    x's dtype."""
+             bias: torch.Tensor | None = None, config: dict[str, int] | None = None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`fp8_gemm_ref` in one launch, accumulated in fp32 and returned in `out_dtype` (x's
+    by default). One-row tiles (`BLOCK_M` 1) widen the weight and sum; others multiply on
+    the tensor cores, the weight widened to x's dtype."""
     assert triton is not None, "Triton is not installed"
     m, k = x.shape
     n = weight.shape[0]
@@ -65,7 +69,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     assert weight.stride(1) == 1 and x.stride(1) == 1, (weight.stride(), x.stride())
     assert scale.dtype == torch.float32 and scale.shape == (n,), (scale.dtype, scale.shape)
     assert bias is None or bias.shape == (n,), bias.shape
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
     cfg = dict(config or tiles(m, n, k))

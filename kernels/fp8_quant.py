@@ -1,6 +1,14 @@
 """Rows quantized to FP8 (float8_e4m3fn), one fp32 scale a row mapping its largest |x| to
-448: a Triton kernel (one program a row: a pass for the largest |x|, a pass to write)
-and its torch reference. Prefill's activations go through it before an FP8 GEMM."""
+448: a Triton kernel and its torch reference. Activations go through it before an FP8
+GEMM of more than one row, four times a layer; the MLP's silu(gate) * up is quantized in
+the kernel that computes it (`silu_mul_quantize`), which saves writing and reading it
+back in bf16.
+
+One program a row. A row of up to `_ONE_PASS` values is read once, held in registers
+while its largest |x| is found, and written; a longer one is read twice (a pass for the
+largest |x|, a pass to write). On an H100, in CUDA graphs, a call on 128 rows of 4,096
+took 2.75 us (two passes: 3.12), of 14,336 7.7 us (12.3); on 2,048 rows 11.2 us (13.3)
+and 53 (50)."""
 
 from __future__ import annotations
 
@@ -11,6 +19,8 @@ try:
     import triton.language as tl
 except ImportError:  # the CPU build: the torch reference does the work
     triton = None
+
+from tandem.kernels.silu_mul import silu_mul, silu_mul_ref
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value; it has no inf
@@ -33,26 +43,82 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(rows, cols, dtype=FP8, device=x.device)
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
+        block = triton.next_power_of_2(cols)
+        one_pass = block <= _ONE_PASS
         _quantize_rows_kernel[(rows,)](x, q, scale, cols, x.stride(0),
-                                       BLOCK=min(4096, triton.next_power_of_2(cols)))
+                                       BLOCK=block if one_pass else 4096, ONE_PASS=one_pass,
+                                       num_warps=8 if block >= 8192 else 4)
     return q, scale
+
+
+def silu_mul_quantize_ref(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, 2F] -> `quantize_rows_ref` of silu(gate) * up, rounded to gate_up's dtype
+    first (as the unfused kernels round it)."""
+    return quantize_rows_ref(silu_mul_ref(gate_up))
+
+
+def silu_mul_quantize(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows(silu_mul(gate_up))` in one launch where a row fits in registers
+    (F <= `_ONE_PASS`), bit for bit; in two launches otherwise."""
+    assert triton is not None, "Triton is not installed"
+    rows, two_f = gate_up.shape
+    f = two_f // 2
+    assert two_f == 2 * f and gate_up.stride(1) == 1, (gate_up.shape, gate_up.stride())
+    block = triton.next_power_of_2(f)
+    if block > _ONE_PASS:
+        return quantize_rows(silu_mul(gate_up))
+    q = torch.empty(rows, f, dtype=FP8, device=gate_up.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=gate_up.device)
+    if rows:
+        _silu_mul_quantize_kernel[(rows,)](gate_up, q, scale, f, gate_up.stride(0), BLOCK=block,
+                                           num_warps=8 if block >= 8192 else 4)
+    return q, scale
+
+
+# Rows up to this many values are held in registers (32 fp32 a thread at 8 warps).
+_ONE_PASS = 16384
 
 
 if triton is not None:
 
     @triton.jit
-    def _quantize_rows_kernel(x, q, scale, cols, x_row, BLOCK: tl.constexpr):
+    def _quantize_rows_kernel(x, q, scale, cols, x_row, BLOCK: tl.constexpr,
+                              ONE_PASS: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for c0 in range(0, cols, BLOCK):
-            v = tl.load(x + r * x_row + c0 + offs, mask=c0 + offs < cols, other=0.0)
-            amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-        top = tl.max(amax, axis=0)
+        if ONE_PASS:  # BLOCK >= cols: the row in registers
+            ok = offs < cols
+            v = tl.load(x + r * x_row + offs, mask=ok, other=0.0).to(tl.float32)
+            top = tl.max(tl.abs(v), axis=0)
+            s = tl.where(top > 0, top / 448.0, 1.0)
+            tl.store(scale + r, s)
+            v = tl.clamp(tl.math.div_rn(v, s), -448.0, 448.0)  # `/` is approximate on CUDA
+            tl.store(q + r * cols + offs, v.to(q.dtype.element_ty), mask=ok)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for c0 in range(0, cols, BLOCK):
+                v = tl.load(x + r * x_row + c0 + offs, mask=c0 + offs < cols, other=0.0)
+                amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+            top = tl.max(amax, axis=0)
+            s = tl.where(top > 0, top / 448.0, 1.0)
+            tl.store(scale + r, s)
+            for c0 in range(0, cols, BLOCK):
+                ok = c0 + offs < cols
+                v = tl.load(x + r * x_row + c0 + offs, mask=ok, other=0.0).to(tl.float32)
+                v = tl.clamp(tl.math.div_rn(v, s), -448.0, 448.0)
+                tl.store(q + r * cols + c0 + offs, v.to(q.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _silu_mul_quantize_kernel(gate_up, q, scale, f, in_row, BLOCK: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        ok = offs < f
+        gate = tl.load(gate_up + r * in_row + offs, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(gate_up + r * in_row + f + offs, mask=ok, other=0.0).to(tl.float32)
+        # silu_mul's expression, rounded to its output dtype as it stores it
+        y = (gate / (1.0 + tl.exp(-gate)) * up).to(gate_up.dtype.element_ty).to(tl.float32)
+        top = tl.max(tl.abs(y), axis=0)
         s = tl.where(top > 0, top / 448.0, 1.0)
         tl.store(scale + r, s)
-        for c0 in range(0, cols, BLOCK):
-            ok = c0 + offs < cols
-            v = tl.load(x + r * x_row + c0 + offs, mask=ok, other=0.0).to(tl.float32)
-            v = tl.clamp(tl.math.div_rn(v, s), -448.0, 448.0)  # `/` is approximate on CUDA
-            tl.store(q + r * cols + c0 + offs, v.to(q.dtype.element_ty), mask=ok)
+        y = tl.clamp(tl.math.div_rn(y, s), -448.0, 448.0)
+        tl.store(q + r * f + offs, y.to(q.dtype.element_ty), mask=ok)

@@ -10,8 +10,10 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine import fp8
+from tandem.engine.ops import logits_fp32
 from tandem.kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref
-from tandem.kernels.fp8_quant import quantize_rows, quantize_rows_ref
+from tandem.kernels.fp8_quant import FP8, quantize_rows, quantize_rows_ref, silu_mul_quantize
+from tandem.kernels.silu_mul import silu_mul
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,7 +39,7 @@ def test_fp8_gemm_matches_its_reference_in_bf16(rows: int, n: int, k: int) -> No
     assert _relative_error(fp8_gemm(x, w8, scale, bias), want) < 1e-2
 
 
-@pytest.mark.parametrize("shape", [(1, 4096), (37, 14336), (2048, 576)])
+@pytest.mark.parametrize("shape", [(1, 4096), (37, 14336), (2048, 576), (3, 20000)])
 def test_quantize_rows_matches_its_reference_exactly(shape: tuple[int, int]) -> None:
     torch.manual_seed(1)
     x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
@@ -46,6 +48,34 @@ def test_quantize_rows_matches_its_reference_exactly(shape: tuple[int, int]) -> 
     want_q, want_scale = quantize_rows_ref(x)
     assert torch.equal(scale, want_scale)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", [(2, 2 * 14336), (300, 2 * 1536), (5, 2 * 20000)])
+def test_silu_mul_quantize_is_silu_mul_then_quantize_rows(shape: tuple[int, int]) -> None:
+    """One kernel (rows of up to 16,384 values; longer ones in two) gives the bits of
+    silu_mul's then quantize_rows'."""
+    torch.manual_seed(2)
+    gate_up = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 4
+    q, scale = silu_mul_quantize(gate_up)
+    want_q, want_scale = quantize_rows(silu_mul(gate_up))
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_single_rows_take_the_logits_from_an_fp8_copy() -> None:
+    """`quantization="fp8"` on CUDA keeps an FP8 copy of the logits' weight: a single
+    row's fp32 logits come from it (within FP8's rounding of the bf16 weight's), more
+    rows' from the weight itself, bit for bit as without the copy."""
+    llm = LLM("smollm2-135m", load_format="dummy", device="cuda", dtype="bfloat16",
+              quantization="fp8", num_kv_blocks=64)
+    model = llm.engine.runner.model
+    assert model.logits_fp8 is not None and model.logits_fp8[0].dtype == FP8
+    hidden = torch.randn(3, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    full = logits_fp32(hidden, model.logits_weight)
+    assert torch.equal(model.compute_logits(hidden), full)
+    one = model.compute_logits(hidden[:1])
+    assert one.dtype == torch.float32 and one.shape == full[:1].shape
+    assert _relative_error(one, full[:1]) < 0.05 and not torch.equal(one, full[:1])
 
 
 @pytest.mark.parametrize("rows", [17, 256, 2048])

@@ -12,8 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.engine import fp8
 from tandem.engine.attention import AttentionBackend
 from tandem.engine.config import ModelConfig, RopeScaling
+from tandem.engine.fp8 import Fp8Linear
 from tandem.engine.ops import TORCH_OPS, Ops
 from tandem.kernels import rope
 
@@ -115,8 +117,10 @@ class MLP(nn.Module):
         return self.ops.silu_mul(gate_up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(self.activation(self.ops.linear(x, self.gate_up_proj)),
-                               self.down_proj)
+        gate_up = self.ops.linear(x, self.gate_up_proj)
+        if type(self.down_proj) is Fp8Linear and type(self).activation is MLP.activation:
+            return self.down_proj.of_silu_mul(gate_up, self.ops.silu_mul)  # quantized in one
+        return self.ops.linear(self.activation(gate_up), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -155,6 +159,8 @@ class LlamaBody(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     attention_class: type[Attention] = Attention
+    # (FP8 [V, D], scales [V]): single rows' logits weight, set by fp8.quantize_logits
+    logits_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(
         self, config: ModelConfig, attention: AttentionBackend, ops: Ops = TORCH_OPS
@@ -192,6 +198,10 @@ class LlamaForCausalLM(nn.Module):
                 else self.lm_head.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V]
+        if self.logits_fp8 is not None:
+            out = fp8.logits(hidden, self.logits_fp8)
+            if out is not None:
+                return out
         return self.ops.logits(hidden, self.logits_weight)
 
     @classmethod
