@@ -54,9 +54,12 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1  # every n-th layer has experts (Qwen3-MoE)
     mlp_only_layers: tuple[int, ...] = ()  # layers that stay dense (Qwen3-MoE)
-    # Gemma: sliding-window layers, soft-capping, its own attention scale and RoPE bases.
+    # Layers that see only the last `sliding_window` keys: every other one of Gemma's,
+    # every one of Mistral v0.1's (where every layer slides, the blocks behind the window
+    # are given back: KVCacheManager.release_behind).
     sliding_window: int = 0
-    sliding_layers: tuple[int, ...] = ()  # the layers that attend within the window
+    sliding_layers: tuple[int, ...] = ()
+    # Gemma: soft-capping, its own attention scale and RoPE bases.
     attn_softcap: float = 0.0  # 0: none
     final_softcap: float = 0.0
     query_pre_attn_scalar: float = 0.0  # the attention scale is its -1/2 power; 0: head_dim's
@@ -101,13 +104,8 @@ class ModelConfig:
         if model_type != "qwen2" and hf.get("attention_bias"):
             raise ValueError("attention_bias (a bias on o_proj too) is not supported")
         max_positions = hf.get("max_position_embeddings", 4096)
-        window = hf.get("sliding_window")
         gemma = model_type in ("gemma2", "gemma3_text")
-        if window and hf.get("use_sliding_window", True) and not gemma:
-            # Every layer attends to the last `window` tokens only (Mistral v0.1, Mixtral):
-            # until the kernels do that, the context stops there, where it equals full
-            # attention.
-            max_positions = min(max_positions, int(window))
+        window, sliding = _sliding(hf, model_type) if not gemma else (0, ())
         experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
         quant = hf.get("quantization_config") or {}
         method = quant.get("quant_method", "")
@@ -143,6 +141,8 @@ class ModelConfig:
             mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
             quantization=method,
             fp8_block=(int(block[0]), int(block[1])) if block else None,
+            sliding_window=window,
+            sliding_layers=sliding,
         )
         return _gemma(config, hf, model_type) if gemma else config
 
@@ -177,6 +177,10 @@ class ModelConfig:
                       norm_topk_prob=self.norm_topk_prob,
                       decoder_sparse_step=self.decoder_sparse_step,
                       mlp_only_layers=list(self.mlp_only_layers))
+        if self.sliding_window and arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+            hf.update(sliding_window=self.sliding_window, use_sliding_window=True,
+                      layer_types=["sliding_attention" if i in self.sliding_layers else
+                                   "full_attention" for i in range(self.num_layers)])
         if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
             full: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
             if self.rope_linear_factor:
@@ -205,6 +209,20 @@ class ModelConfig:
 def _number(x: float) -> float | int:
     """An integral float as an int (transformers' configs check the type)."""
     return int(x) if float(x).is_integer() else x
+
+
+def _sliding(hf: dict[str, Any], model_type: str) -> tuple[int, tuple[int, ...]]:
+    """(window, the layers that see only the last `window` keys) of a Llama-family
+    config.json: `layer_types` where it is written, else every layer (Mistral v0.1,
+    Mixtral), or Qwen2's from `max_window_layers` on; (0, ()) without a window."""
+    window = hf.get("sliding_window")
+    if not window or not hf.get("use_sliding_window", True):
+        return 0, ()
+    n = hf["num_hidden_layers"]
+    first = hf.get("max_window_layers", 0) if model_type == "qwen2" else 0
+    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                      for i in range(n)]
+    return int(window), tuple(i for i, t in enumerate(types) if t == "sliding_attention")
 
 
 def _gemma(config: ModelConfig, hf: dict[str, Any], model_type: str) -> ModelConfig:

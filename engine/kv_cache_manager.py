@@ -19,10 +19,14 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(
-        self, pool: BlockPool, block_size: int, root: BlockHash, enable_prefix_caching: bool
+        self, pool: BlockPool, block_size: int, root: BlockHash, enable_prefix_caching: bool,
+        window: int = 0,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
+        # Every layer sees only the last `window` keys (0: not so): blocks behind it are
+        # given back as a request decodes (`release_behind`).
+        self.window = window
         self.root = root
         self.enable_prefix_caching = enable_prefix_caching
         # request id -> how many of its leading blocks are registered in the cache.
@@ -149,9 +153,26 @@ class KVCacheManager:
             self.pool.cache(block, req.block_hashes[i], tokens[i * bs : (i + 1) * bs])
         self._num_cached_blocks[req.request_id] = num_full
 
+    def release_behind(self, req: Request) -> None:
+        """Where every layer slides: give back a decoding request's blocks that its next
+        query no longer sees (it is at position num_computed_tokens and sees keys from
+        num_computed_tokens + 1 - window on). They go back as a finished request's do,
+        cached, so another prompt may still hit them; `req.block_ids` keeps their ids,
+        the first `req.num_released_blocks` of it. Not while the prompt is computed: a
+        prefill node pushes the prompt's blocks once it is."""
+        if not self.window or req.num_computed_tokens < req.num_prompt_tokens:
+            return
+        behind = (req.num_computed_tokens + 1 - self.window) // self.block_size
+        if behind > req.num_released_blocks:
+            ids = req.block_ids[req.num_released_blocks:behind]
+            self.pool.free(self.pool.blocks[i] for i in reversed(ids))
+            req.num_released_blocks = behind
+
     def free(self, req: Request) -> None:
-        self.pool.free(self.pool.blocks[i] for i in reversed(req.block_ids))
+        held = req.block_ids[req.num_released_blocks:]
+        self.pool.free(self.pool.blocks[i] for i in reversed(held))
         req.block_ids.clear()
+        req.num_released_blocks = 0
         req.num_computed_tokens = 0
         self._num_cached_blocks.pop(req.request_id, None)
         self._promoted.pop(req.request_id, None)

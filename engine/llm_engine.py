@@ -124,9 +124,10 @@ class LLMEngine:
         # The cache's dtype, as KVLayout names it and the router hashes prompts with: an
         # FP8 cache's blocks are never taken for a 16-bit cache's, nor the other way.
         dtype_name = str(kv_dtype).removeprefix("torch.")
+        every_layer_slides = len(mc.sliding_layers) == mc.num_layers
         kv = KVCacheManager(
             pool, cache.block_size, root_hash(src.name, dtype_name, cache.block_size),
-            cache.enable_prefix_caching,
+            cache.enable_prefix_caching, mc.sliding_window if every_layer_slides else 0,
         )
         self.block_pool = pool
         sched = replace(config.scheduler, max_model_len=max_len)

@@ -140,6 +140,7 @@ class _Row:
     index: int
     num_synced: int  # leading block ids written into the device table
     num_preemptions: int  # a preemption gives the request new blocks: resync
+    num_nulled: int = 0  # leading entries pointed at the null block (given back)
 
 
 class ModelRunner:
@@ -213,14 +214,18 @@ class ModelRunner:
                 self._grow_table()
             row = self._rows[req.request_id] = _Row(self._free_rows.pop(), 0, 0)
         if row.num_preemptions != req.num_preemptions:
-            row.num_synced, row.num_preemptions = 0, req.num_preemptions
+            row.num_synced, row.num_nulled, row.num_preemptions = 0, 0, req.num_preemptions
         blocks = req.block_ids
+        base = row.index * self.width
         if len(blocks) > row.num_synced:
-            base = row.index * self.width
             updates.extend(
                 (base + j, blocks[j]) for j in range(row.num_synced, len(blocks))
             )
             row.num_synced = len(blocks)
+        if req.num_released_blocks > row.num_nulled:  # given back: may be another's now
+            updates.extend((base + j, self.null_block)
+                           for j in range(row.num_nulled, req.num_released_blocks))
+            row.num_nulled = req.num_released_blocks
         return row.index
 
     def _grow_table(self) -> None:

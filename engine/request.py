@@ -57,6 +57,8 @@ class Request:
     num_peer_cached_tokens: int = 0  # of those, pulled from a peer just before (node/pull.py)
     # Physical KV block ids, in order; block i holds tokens [i*bs, (i+1)*bs).
     block_ids: list[int] = field(default_factory=list)
+    # Leading blocks given back, every layer having slid past them (a sliding window).
+    num_released_blocks: int = 0
     # Hash chain of the request's full blocks, extended as tokens arrive.
     block_hashes: list[bytes] = field(default_factory=list)
     # Per-request RNG for seeded sampling; the sampler creates it on the logits' device.

@@ -76,6 +76,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if self._at_length_limit(req):
                 continue  # its last token is still pending on the device (async scheduling)
+            self.kv.release_behind(req)
             num_new = min(req.num_uncomputed_tokens, budget)
             while not self.kv.allocate(req, num_new):
                 victim = self.running[-1]

@@ -51,6 +51,11 @@ FAMILIES = {
     "mistral": (MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=1,
                               tie_word_embeddings=False, sliding_window=None),
                 MistralForCausalLM),
+    # Mistral v0.1's window, every layer: 8 keys, so prompts of 16 to 150 tokens pass it
+    # and decoding gives back the 16-token blocks behind it.
+    "mistral-window": (MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=1,
+                                     tie_word_embeddings=False, sliding_window=8),
+                       MistralForCausalLM),
     # 8 experts, 2 a token: with 150-token prompts every expert gets tokens.
     "mixtral": (MixtralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2,
                               num_local_experts=8, num_experts_per_tok=2,
@@ -119,6 +124,29 @@ def test_greedy_tokens_equal_transformers_alone_and_batched(family) -> None:  # 
     for prompt, want in zip(prompts[:3], expected[:3]):
         assert llm.generate(prompt, GREEDY)[0].token_ids == want
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+def test_blocks_behind_a_sliding_window_are_given_back(tmp_path_factory) -> None:  # noqa: ANN001
+    """Every layer slides (Mistral v0.1): a decoding request holds only the blocks its
+    next query sees, the rest go back to the pool as it decodes, and its tokens are still
+    transformers'. The model's context is not cut at the window."""
+    path, prompts, expected = _build("mistral-window", tmp_path_factory)
+    llm = LLM(str(path), device="cpu", dtype=torch.float32, num_kv_blocks=64)
+    engine = llm.engine
+    assert engine.max_model_len == 1024
+    pool, kv = engine.block_pool, engine.scheduler.kv
+    assert kv.window == 8
+    req = engine.add_request("long", prompts[-1], GREEDY)  # 150 tokens: 10 blocks
+    held = []
+    while engine.has_unfinished:
+        outputs = engine.step()
+        if not req.is_finished:
+            held.append(len(req.block_ids) - req.num_released_blocks)
+            assert pool.num_free_blocks == 64 - held[-1]
+    assert outputs[-1].token_ids == expected[-1]
+    # The prompt's 10 blocks while it is computed, then the window's one or two.
+    assert held[0] == 10 and max(held[2:]) <= 2, held
+    assert pool.num_free_blocks == 64
 
 
 def test_served_through_tandem_up(served) -> None:  # noqa: ANN001

@@ -170,6 +170,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaBody(config, attention, ops, self.attention_class,
                                lambda i: self.make_mlp(config, i, ops))
         self.ops = ops
+        for i in config.sliding_layers:
+            self.model.layers[i].self_attn.window = config.sliding_window
         # A plain attribute, not a buffer: `.to(dtype)` must leave it in fp32.
         self.cos_sin = rope_cos_sin(config)
         if not config.tie_word_embeddings:
