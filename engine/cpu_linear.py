@@ -121,8 +121,21 @@ _ALWAYS_PACKED = "_tandem_onednn_always"
 def has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), where bf16
     weights are worth it: elsewhere oneDNN refuses them or emulates them slowly."""
-    return torch.backends.mkldnn.is_available() and (
+    return has_bf16_packing() and (
         torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+@functools.cache
+def has_bf16_packing() -> bool:
+    """Whether oneDNN packs bf16 weights here (x86 with AVX-512 BW/VL/DQ or AVX-NE-CONVERT;
+    an AVX2-only CPU refuses them). Tried once on a tiny layer."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 @functools.cache
@@ -151,6 +164,9 @@ def weights_mode(choice: str, device: torch.device, dtype: torch.dtype) -> str:
     if choice == "fp16" and not has_fp16_gemm():
         raise ValueError("cpu_weights='fp16' needs fbgemm's fp16 GEMM (an x86 CPU with "
                          "AVX2); choose bf16 or fp32")
+    if choice == "bf16" and not has_bf16_packing():
+        raise ValueError("cpu_weights='bf16' needs oneDNN's bf16 weights (an x86 CPU with "
+                         "AVX-512 or AVX-NE-CONVERT); choose fp16 or fp32")
     if choice != "auto":
         return choice
     if fits and has_fp16_gemm():

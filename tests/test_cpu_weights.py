@@ -19,8 +19,8 @@ def _cpu_weights(config: EngineConfig, device: torch.device) -> str:
     return cpu_linear.weights_mode(config.cpu_weights, device, config.dtype)
 
 
-needs_bf16 = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
-                                reason="needs oneDNN")
+needs_bf16 = pytest.mark.skipif(not cpu_linear.has_bf16_packing(),
+                                reason="needs oneDNN's bf16 weights (AVX-512 or AVX-NE-CONVERT)")
 needs_fp16 = pytest.mark.skipif(not cpu_linear.has_fp16_gemm(),
                                 reason="needs fbgemm's fp16 GEMM (x86 with AVX2)")
 
@@ -103,6 +103,20 @@ def test_auto_picks_fp16_or_bf16_only_for_an_fp32_model_on_the_cpu() -> None:
                          torch.device("cpu"))
     with pytest.raises(ValueError, match="unknown cpu_weights 'int3'"):
         EngineConfig("tiny", cpu_weights="int3")
+
+
+@pytest.mark.parametrize("mode,runs_here", [("bf16", cpu_linear.has_bf16_packing),
+                                             ("fp16", cpu_linear.has_fp16_gemm)])
+def test_a_mode_this_cpu_cannot_run_is_refused_by_name(mode: str, runs_here) -> None:  # noqa: ANN001
+    """Asked for a packing this CPU lacks (bf16 on an AVX2-only x86), the engine refuses
+    it with what it needs and the other choices, before loading anything; one it has is
+    taken."""
+    config = EngineConfig("tiny", cpu_weights=mode)
+    if runs_here():
+        assert _cpu_weights(config, torch.device("cpu")) == mode
+    else:
+        with pytest.raises(ValueError, match=f"cpu_weights='{mode}' needs .*; choose"):
+            _cpu_weights(config, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("mode", [
