@@ -136,6 +136,7 @@ class Operations:
             if quiet:
                 return
             raise _node_error(node, exc) from None
+        node.drains += 1
         if node.health is not None:  # seen here at once, not at the next poll
             node.health.accepting = not drain
 

@@ -81,6 +81,7 @@ class NodeClient:
     in_flight: int = 0  # requests this router has on it now
     busy_until: float = 0.0  # time.monotonic(): it refused a request for want of room
     switching_to: int | None = None  # an admin role switch in progress
+    drains: int = 0  # Drain calls answered: a poll begun before one reads a stale Health
     # Decode nodes: this router's Outputs stream there, and the requests it feeds.
     subscriber: str = field(default_factory=lambda: f"router-{uuid.uuid4().hex[:12]}")
     outputs_open: bool = False
@@ -142,7 +143,7 @@ class NodeClient:
         return f"{role_name(self.role) or 'node'}@{self.address}"
 
     async def poll(self) -> None:
-        before = self.state
+        before, drains = self.state, self.drains
         try:
             health = await self.stub.Health(pb.HealthRequest(), timeout=TIMEOUTS.control_s)
             self.stats = await self.stub.Stats(pb.StatsRequest(), timeout=TIMEOUTS.control_s)
@@ -157,6 +158,8 @@ class NodeClient:
                 waiting.put_nowait(OutputsClosed(f"{self.name} does not answer: "
                                                  f"{exc.details()}"))
             return
+        if drains != self.drains and self.health is not None:
+            health.accepting = self.health.accepting  # the drain's word, not the older poll's
         if health.role != self.role and self.role != pb.ROLE_UNSPECIFIED:
             log.info("%s now serves the %s role", self.name, role_name(health.role))
         self.role, self.health, self.reachable = health.role, health, True

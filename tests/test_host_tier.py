@@ -113,20 +113,22 @@ def test_tandem_up_serves_prompts_again_from_the_host_tier() -> None:
 
         for _ in range(2):  # the second round finds every prompt evicted to the host
             assert [complete(p) for p in prompts] == want
-        deadline = time.monotonic() + 15  # the router polls each node's stats every second
+        # The router polls each node's stats every second, each node on its own: wait
+        # until both nodes' figures of the second round are in.
+        deadline = time.monotonic() + 15
         while True:
             samples = metric_samples(url)
             host = sum(v for name, labels, v in samples
                        if name == "tandem:prefix_cache_hits_total" and labels["tier"] == "host")
             usage = [v for name, _, v in samples if name == "tandem:kv_host_usage"]
-            if host > 0 or time.monotonic() > deadline:
+            steps = {kind: sum(v for name, labels, v in samples
+                               if name == "tandem:engine_steps_total" and labels["kind"] == kind)
+                     for kind in ("eager", "decode_graph", "prefill_graph")}
+            if (host >= 6 * 48 and steps["eager"] >= 12 * 2) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
     assert host >= 6 * 48  # every full prompt block of the second round, on some node
     assert usage and max(usage) > 0
-    steps = {kind: sum(v for name, labels, v in samples
-                       if name == "tandem:engine_steps_total" and labels["kind"] == kind)
-             for kind in ("eager", "decode_graph", "prefill_graph")}
     # On the CPU every step runs eagerly: 12 prompts, each a prefill and decodes.
     assert steps["eager"] >= 12 * 2 and steps["decode_graph"] == steps["prefill_graph"] == 0
 
