@@ -62,6 +62,8 @@ class GemmaAttention(Attention):
 class GemmaMLP(MLP):
     """GeGLU: gelu (its tanh approximation) of the gate, times up."""
 
+    silu_gate = False
+
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up

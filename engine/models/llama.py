@@ -105,6 +105,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    silu_gate = True  # activation is silu(gate) * up: an FP8 down_proj quantizes it in one
+
     def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
         d, f = config.hidden_size, config.intermediate_size
@@ -118,8 +120,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.ops.linear(x, self.gate_up_proj)
-        if type(self.down_proj) is Fp8Linear and type(self).activation is MLP.activation:
-            return self.down_proj.of_silu_mul(gate_up, self.ops.silu_mul)  # quantized in one
+        if self.silu_gate and type(self.down_proj) is Fp8Linear:
+            return self.down_proj.of_silu_mul(gate_up, self.ops.silu_mul)
         return self.ops.linear(self.activation(gate_up), self.down_proj)
 
 
