@@ -130,15 +130,20 @@ def _wait_healthy(url: str, proc: subprocess.Popen, ok: Any, timeout_s: float = 
 def served(cmd: list[str], port: int, ok: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Start a server (`cmd`, a new session), then at 1 and at 8 streams
     `tandem bench serve` on the same random prompts (seed 0); stop it."""
+    figures: dict[str, Any] = {}
+    serve(cmd, port, ok, lambda url: figures.update(streams(url, args)))
+    return figures
+
+
+def serve(cmd: list[str], port: int, ok: Any, run: Any) -> None:
+    """`run(url)` against the server `cmd` starts (a new session) once `ok(its health)`;
+    the server stopped after."""
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
         _wait_healthy(url, proc, ok)
-        bench(url, 2, 2, args, warmup=True)
-        return {f"{streams}_streams": bench(url, streams, streams * args.prompts_per_stream,
-                                            args)
-                for streams in (1, 8)}
+        run(url)
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -146,6 +151,12 @@ def served(cmd: list[str], port: int, ok: Any, args: argparse.Namespace) -> dict
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def streams(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """A warmup, then 1 and 8 streams of `args.prompts_per_stream` prompts each."""
+    bench(url, 2, 2, args, warmup=True)
+    return {f"{n}_streams": bench(url, n, n * args.prompts_per_stream, args) for n in (1, 8)}
 
 
 def bench(url: str, streams: int, prompts: int, args: argparse.Namespace,

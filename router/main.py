@@ -160,6 +160,21 @@ def _shares(roles: list[tuple[str, str]], prefill_share: float) -> list[float]:
     return shares
 
 
+# How long (libgomp's spins, ~10 ns each) a CPU node's idle OpenMP workers wait for the
+# next op before they sleep, where nodes share the machine's cores. libgomp's default
+# (300,000) starves the other node's compute: a burst of 64 through 1P1D on 2 cores
+# took 50 s, against 8-9 s. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) makes each op
+# of a lone stream wait for a wake-up: 1P1D fp16 on 2 cores, 1 / 8 streams 18.6-20.7 /
+# 92-103 tok/s, against 28.7-29.5 / 123 at 10,000 (results/omp_spin_cpu-2core.json).
+SHARED_CPU_SPIN = 10_000
+
+
+def share_cpu(env: dict[str, str]) -> None:
+    """`env` for nodes that share the CPU's cores, unless it says how OpenMP waits."""
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        env["GOMP_SPINCOUNT"] = str(SHARED_CPU_SPIN)
+
+
 def run_up(args: argparse.Namespace) -> int:
     """Start the planned nodes as child processes, then the router here; Ctrl-C (or
     SIGTERM) stops them all."""
@@ -174,10 +189,7 @@ def run_up(args: argparse.Namespace) -> int:
     env[CLUSTER_SECRET_ENV] = secret.decode()
     args.cluster_secret, args.cluster_secret_file = secret.decode(), None  # the router's
     if sum(n.device == "cpu" for n in plan) > 1:
-        # Nodes sharing the CPU: an idle node's OpenMP workers must sleep, not spin on
-        # the cores another node is computing on (8 streams through 1P1D on 2 cores:
-        # 21 -> 41 tok/s).
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        share_cpu(env)
     children: list[subprocess.Popen] = []
     signal.signal(signal.SIGTERM, _interrupt)  # until uvicorn takes it over
     try:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 from redis_server import free_port
 
+from tandem.router.main import share_cpu
+
 __all__ = ["Cluster", "cluster", "free_port", "metric_samples", "node_address", "start", "stop",
            "tandem_up", "wait_up"]
 
@@ -72,9 +74,9 @@ def start(args: list[str]) -> subprocess.Popen:
     stderr in a file (a pipe nobody reads would fill and block it), for failures."""
     log = tempfile.TemporaryFile("w+")
     # Processes sharing the CPU, as `tandem up` runs its nodes: OpenMP's idle workers
-    # sleep rather than spin on the cores another node computes on (a burst of 64
-    # through 1P1D on 2 cores: 50 s spinning, 9 s not).
-    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
+    # spin only briefly on the cores another node computes on.
+    env = dict(os.environ)
+    share_cpu(env)
     proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], stdout=subprocess.PIPE,
                             stderr=log, text=True, start_new_session=True, env=env)
     proc.stderr_log = log  # closed with the object

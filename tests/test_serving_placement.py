@@ -20,7 +20,7 @@ from serving_helpers import metric_samples, tandem_up
 from tandem import LLM, SamplingParams
 from tandem.cli import build_parser
 from tandem.node.auth import CLUSTER_SECRET_ENV
-from tandem.router.main import NodePlan, plan_nodes
+from tandem.router.main import NodePlan, plan_nodes, share_cpu
 
 TINY = ["--model", "tiny", "--load-format", "dummy", "--skip-tokenizer-init"]
 
@@ -50,6 +50,16 @@ def test_devices_per_role_and_shared_devices_split_the_memory() -> None:
         [0.85 * 0.15, 0.85 * 0.15, 0.85 * 0.35, 0.85 * 0.35])
     with pytest.raises(ValueError, match="--prefill-share"):
         plan_nodes(up_args("--device", "cuda", "--prefill-share", "1"))
+
+
+def test_cpu_nodes_sharing_the_cores_spin_briefly_unless_the_environment_says() -> None:
+    env = {"PATH": "/bin"}
+    share_cpu(env)
+    assert env == {"PATH": "/bin", "GOMP_SPINCOUNT": "10000"}
+    for given in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}):
+        env = dict(given)
+        share_cpu(env)
+        assert env == given
 
 
 def test_a_node_that_cannot_start_ends_tandem_up_with_a_clear_error() -> None:
