@@ -57,27 +57,18 @@ def one(spin: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "tandem.cli", "up", "--port", str(port),
            *shlex.split(args.up_flags)]
     burst = argparse.Namespace(input_len=16, output_len=16)
-    before = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(_env(spin))  # the nodes inherit it through tandem up
-    try:
-        figures: dict[str, Any] = {}
+    figures: dict[str, Any] = {}
 
-        def ok(health: dict[str, Any]) -> bool:
-            return health.get("status") == "ok" and all(health.get("nodes", {}).values())
+    def run(url: str) -> None:
+        figures.update(served_bench.streams(url, args))
+        started = time.monotonic()
+        figures["burst"] = served_bench.bench(url, args.burst_prompts, args.burst_prompts,
+                                              burst)
+        figures["burst"]["wall_s"] = time.monotonic() - started
 
-        def run(url: str) -> None:
-            figures.update(served_bench.streams(url, args))
-            started = time.monotonic()
-            figures["burst"] = served_bench.bench(url, args.burst_prompts, args.burst_prompts,
-                                                  burst)
-            figures["burst"]["wall_s"] = time.monotonic() - started
-
-        served_bench.serve(cmd, port, ok, run)
-        return figures
-    finally:
-        os.environ.clear()
-        os.environ.update(before)
+    # The nodes inherit `spin`'s environment through tandem up.
+    served_bench.serve(cmd, port, served_bench.tandem_up_ok, run, env=_env(spin))
+    return figures
 
 
 def main() -> None:

@@ -135,12 +135,13 @@ def served(cmd: list[str], port: int, ok: Any, args: argparse.Namespace) -> dict
     return figures
 
 
-def serve(cmd: list[str], port: int, ok: Any, run: Any) -> None:
-    """`run(url)` against the server `cmd` starts (a new session) once `ok(its health)`;
-    the server stopped after."""
+def serve(cmd: list[str], port: int, ok: Any, run: Any,
+          env: dict[str, str] | None = None) -> None:
+    """`run(url)` against the server `cmd` starts (a new session, in `env`) once
+    `ok(its health)`; the server stopped after."""
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     try:
         _wait_healthy(url, proc, ok)
         run(url)
@@ -157,6 +158,11 @@ def streams(url: str, args: argparse.Namespace) -> dict[str, Any]:
     """A warmup, then 1 and 8 streams of `args.prompts_per_stream` prompts each."""
     bench(url, 2, 2, args, warmup=True)
     return {f"{n}_streams": bench(url, n, n * args.prompts_per_stream, args) for n in (1, 8)}
+
+
+def tandem_up_ok(health: dict[str, Any]) -> bool:
+    """`tandem up`'s router answers and every node it started is up."""
+    return health.get("status") == "ok" and all(health.get("nodes", {}).values())
 
 
 def bench(url: str, streams: int, prompts: int, args: argparse.Namespace,
@@ -199,8 +205,7 @@ def main() -> None:
         results[name] = served(
             [sys.executable, "-m", "tandem.cli", "up", "--port", str(port),
              *shlex.split(flags)],
-            port, lambda h: h.get("status") == "ok" and all(h.get("nodes", {}).values()),
-            args)
+            port, tandem_up_ok, args)
     base = results["llama-server"]
     ratios = {name: {k: r[k]["output_throughput"] / base[k]["output_throughput"]
                      for k in r} for name, r in results.items() if name != "llama-server"}
