@@ -19,10 +19,11 @@ How a layer runs (`Fp8Linear.forward`), on CUDA:
 - one row (a decode step of one sequence): weight-only, kernels/fp8_gemm.py, which
   streams the FP8 bytes (x stays bf16);
 - more rows: x is quantized per row (dynamic per-token scales, kernels/fp8_quant.py) and
-  `torch._scaled_mm` multiplies on the FP8 tensor cores with row-wise scales on both
-  sides. Measured against each other in kernels/fp8_gemm.py's docstring. The MLP's
-  down projection takes silu(gate) * up quantized by the kernel that computes it
-  (`Fp8Linear.of_silu_mul`).
+  multiplied on the FP8 tensor cores with row-wise scales on both sides: by
+  kernels/fp8_mm.py up to a decode batch's rows where its tiles beat cuBLAS, else by
+  `torch._scaled_mm`. Measured against each other in kernels/fp8_gemm.py's and
+  kernels/fp8_mm.py's comments. The MLP's down projection takes silu(gate) * up
+  quantized by the kernel that computes it (`Fp8Linear.of_silu_mul`).
 Elsewhere (the CPU) the weight is widened per call: correct, slow, for tests.
 """
 
@@ -34,7 +35,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tandem.kernels import fp8_quant
+from tandem.kernels import fp8_mm, fp8_quant
 from tandem.kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref, triton
 from tandem.kernels.fp8_quant import FP8, quantize_rows_ref
 
@@ -98,6 +99,9 @@ def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def _scaled(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    tile = fp8_mm.tiles(xq.shape[0], weight.shape[0], weight.shape[1])
+    if tile is not None:  # a decode step's few rows: kernels/fp8_mm.py where it is faster
+        return fp8_mm.fp8_mm(xq, x_scale, weight, scale, bias, dtype, tile)
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale[:, None], scale_b=scale[None, :],
                            out_dtype=dtype)
     return out if bias is None else out + bias

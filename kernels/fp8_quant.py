@@ -8,7 +8,9 @@ One program a row. A row of up to `_ONE_PASS` values is read once, held in regis
 while its largest |x| is found, and written; a longer one is read twice (a pass for the
 largest |x|, a pass to write). On an H100, in CUDA graphs, a call on 128 rows of 4,096
 took 2.75 us (two passes: 3.12), of 14,336 7.7 us (12.3); on 2,048 rows 11.2 us (13.3)
-and 53 (50)."""
+and 53 (50). `silu_mul_quantize` of Llama-3-8B's 14,336 a row runs 32 warps a row: on
+2,048 rows 60.5 us against 90 at 8 warps, on 8,192 rows 221 against 334 (2.7 TB/s), on
+128 rows 6.3 against 8.0."""
 
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ def silu_mul_quantize(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     scale = torch.empty(rows, dtype=torch.float32, device=gate_up.device)
     if rows:
         _silu_mul_quantize_kernel[(rows,)](gate_up, q, scale, f, gate_up.stride(0), BLOCK=block,
-                                           num_warps=8 if block >= 8192 else 4)
+                                           num_warps=max(4, min(32, block // 512)))
     return q, scale
 
 

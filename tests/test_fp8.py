@@ -228,6 +228,30 @@ def test_fp8_gemm_matches_the_reference_under_the_interpreter() -> None:
                           "kernel_matches_reference()")
 
 
+def mm_kernel_matches_reference() -> None:
+    """Under TRITON_INTERPRET=1: kernels/fp8_mm.py (both sides FP8, row scales on each)
+    against the reference on x widened by its scales: ragged rows, columns and K, with
+    and without a bias, in the table's tiles and a small one."""
+    from tandem.kernels.fp8_mm import fp8_mm, tiles
+
+    torch.manual_seed(0)
+    small = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
+    for m, n, k in ((3, 40, 96), (17, 64, 200), (70, 48, 320)):
+        w8, scale = quantize_rows_ref(torch.randn(n, k))
+        x8, x_scale = quantize_rows_ref(torch.randn(m, k) * 3)
+        for bias in (None, torch.randn(n)):
+            want = fp8_gemm_ref(x8.float() * x_scale[:, None], w8, scale, bias, torch.float32)
+            for cfg in (small, tiles(m, n, k)):
+                got = fp8_mm(x8, x_scale, w8, scale, bias, torch.float32, cfg)
+                assert torch.allclose(got, want, rtol=1e-4, atol=1e-3), (m, n, k, cfg)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_fp8_mm_matches_the_reference_under_the_interpreter() -> None:
+    run_under_interpreter("from test_fp8 import mm_kernel_matches_reference; "
+                          "mm_kernel_matches_reference()")
+
+
 def quantize_kernels_match() -> None:
     """Under TRITON_INTERPRET=1: kernels/fp8_quant.py's kernels. Each row's scale bit for
     bit against the reference's, for rows held in registers, rows read twice (longer

@@ -12,6 +12,7 @@ from tandem import LLM, SamplingParams
 from tandem.engine import fp8
 from tandem.engine.ops import logits_fp32
 from tandem.kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref
+from tandem.kernels.fp8_mm import fp8_mm
 from tandem.kernels.fp8_quant import FP8, quantize_rows, quantize_rows_ref, silu_mul_quantize
 from tandem.kernels.silu_mul import silu_mul
 
@@ -37,6 +38,19 @@ def test_fp8_gemm_matches_its_reference_in_bf16(rows: int, n: int, k: int) -> No
     want = fp8_gemm_ref(x, w8, scale, bias)
     # Accumulated in fp32 either way; the output's bf16 rounding is what differs.
     assert _relative_error(fp8_gemm(x, w8, scale, bias), want) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [2, 17, 64, 128, 200])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (960, 576), (40, 200)])
+def test_fp8_mm_matches_its_reference(rows: int, n: int, k: int) -> None:
+    """Both sides FP8: the product of the widened operands, accumulated in fp32, then
+    rounded to bf16 (ragged rows, columns and K included)."""
+    torch.manual_seed(rows)
+    w8, scale = quantize_rows_ref(torch.randn(n, k, device="cuda") / k**0.5)
+    x8, x_scale = quantize_rows_ref(torch.randn(rows, k, device="cuda") * 3)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    want = fp8_gemm_ref(x8.float() * x_scale[:, None], w8, scale, bias, torch.bfloat16)
+    assert _relative_error(fp8_mm(x8, x_scale, w8, scale, bias), want) < 1e-2
 
 
 @pytest.mark.parametrize("shape", [(1, 4096), (37, 14336), (2048, 576), (3, 20000)])

@@ -187,7 +187,8 @@ def compare_kernels(device: str) -> None:
         want = decode_attention_ref(q, kv8, tables, seq_lens, dim**-0.5, window, softcap,
                                     k_scale, v_scale)
         got = decode_attention(q, kv8, tables, seq_lens, dim**-0.5, splits, window=window,
-                               softcap=softcap, k_scale=k_scale, v_scale=v_scale)
+                               softcap=softcap, k_scale=k_scale, v_scale=v_scale,
+                               fp16_dots=False)
         tol = TOLERANCE[dtype]
         torch.testing.assert_close(got, want, atol=tol, rtol=tol,
                                    msg=lambda m, c=(dtype, case): f"decode {c}: {m}")
@@ -197,6 +198,19 @@ def compare_kernels(device: str) -> None:
                 window=window or None, softcap=softcap or None, k_scale=k_scale,
                 v_scale=v_scale)
             torch.testing.assert_close(engine, want, atol=tol, rtol=tol)
+
+    for i, case in enumerate(decode_cases):  # a bf16 q's products in fp16 (the default)
+        group, dim, hkv, lens, splits, window, softcap = case
+        q, kv, tables, seq_lens = make_inputs(lens, group, dim, hkv, torch.float32, device, i)
+        q, kv8 = q.to(torch.bfloat16), quantize_cache(kv, k_scale, v_scale)
+        want = decode_attention_ref(q, kv8, tables, seq_lens, dim**-0.5, window, softcap,
+                                    k_scale, v_scale)
+        got = decode_attention(q, kv8, tables, seq_lens, dim**-0.5, splits, window=window,
+                               softcap=softcap, k_scale=k_scale, v_scale=v_scale,
+                               fp16_dots=True)
+        tol = TOLERANCE[torch.bfloat16]
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol,
+                                   msg=lambda m, c=case: f"decode, fp16 dots {c}: {m}")
 
     prefill_cases = [(MIXED, 8, 2, 64, 0, 0.0), (MIXED, 3, 1, 128, 0, 0.0),
                      (MIXED, 6, 2, 64, 13, 0.7)]
