@@ -260,6 +260,13 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help="a prompt whose tokens missing from the decode node's cache are "
                         "fewer than this is prefilled on the decode node, skipping the "
                         "prefill pool (default: %(default)s, always use the prefill pool)")
+    g.add_argument("--prefill-overflow-ms", type=float, default=0.0, metavar="MS",
+                   help="a prompt that would wait longer than this on the prefill node (the "
+                        "prompt tokens this router has sent it, its own included, at the "
+                        "rate it computes them) is computed by its decode node instead, "
+                        "where it would start sooner: the decode GPU takes the prefill "
+                        "pool's overflow, at some cost to its decodes' pace (default: "
+                        "%(default)s, never)")
     g.add_argument("--early-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="have the prefill node start computing a prompt as the request "
                         "comes, while the decode node reserves its blocks, rather than when "

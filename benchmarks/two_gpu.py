@@ -115,6 +115,12 @@ def parse_args() -> argparse.Namespace:
                         "(default: cuda:0,cuda:1)")
     g.add_argument("--connectors", default="ipc,nccl",
                    help="one 1P1D configuration per connector (default: %(default)s)")
+    g.add_argument("--overflow-connectors", default="",
+                   help="one more 1P1D configuration per connector here, named "
+                        "'<connector>-overflow', whose router sends the prefill node's "
+                        "overflow to the decode node (--prefill-overflow-ms; default: none)")
+    g.add_argument("--overflow-ms", type=float, default=200.0,
+                   help="those configurations' --prefill-overflow-ms (default: %(default)s)")
     g.add_argument("--common", default=COMMON,
                    help="flags every tandem up gets, and the offline engine its engine "
                         "flags (default: %(default)s)")
@@ -181,16 +187,23 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     args.workload = args.workload or [_workload(w) for w in WORKLOADS]
     args.connectors = [c.strip() for c in args.connectors.split(",") if c.strip()]
+    args.overflow_connectors = [c.strip() for c in args.overflow_connectors.split(",")
+                                if c.strip()]
     return args
 
 
 def configurations(args: argparse.Namespace) -> dict[str, str]:
     """Name -> `tandem up` flags (beside `--common`)."""
     first, second = args.devices
-    disaggregated = {f"1P1D {c}": f"--prefill 1 --decode 1 --prefill-devices {first} "
-                                  f"--decode-devices {second} --connector {c}"
-                     for c in args.connectors}
-    return disaggregated | {COLOCATED: f"--colocated 2 --decode-devices {first},{second}"}
+    def one_p_one_d(c: str) -> str:
+        return (f"--prefill 1 --decode 1 --prefill-devices {first} --decode-devices {second} "
+                f"--connector {c}")
+
+    disaggregated = {f"1P1D {c}": one_p_one_d(c) for c in args.connectors}
+    overflow = {f"1P1D {c}-overflow": f"{one_p_one_d(c)} --prefill-overflow-ms {args.overflow_ms:g}"
+                for c in args.overflow_connectors}
+    return (disaggregated | overflow
+            | {COLOCATED: f"--colocated 2 --decode-devices {first},{second}"})
 
 
 def selected(args: argparse.Namespace, configs: dict[str, str]) -> dict[str, str]:

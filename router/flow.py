@@ -6,6 +6,10 @@ from the router on the critical path (decode-first):
    decode node reserves the prompt's blocks (its prefix cache counts); if the tokens it
    lacks are fewer than `local_prefill_threshold`, it prefills itself, else it calls the
    prefill node, which computes the prompt and pushes its KV into the reserved blocks.
+   With `overflow_wait_s`, a prompt that would wait longer than that behind the prompts
+   this router has queued on the prefill node (at its measured rate) is computed by the
+   decode node instead, where it would start sooner: the decode GPU takes the prefill
+   pool's overflow (conditional disaggregation, as Dynamo's decode workers do).
    With `early_prefill`, the router also asks the prefill node to start computing at
    once (a Prefill call without a sink, answered at once), so the compute does not wait
    for the hop to the decode node and its reservation: the decode node's call attaches
@@ -73,6 +77,7 @@ class StreamBroken(Exception):
 @dataclass(frozen=True)
 class FlowConfig:
     local_prefill_threshold: int = 0  # uncached tokens below this: prefill on the decode node
+    overflow_wait_s: float = 0.0  # a longer wait on the prefill node: the decode node's (0: never)
     on_transfer_failure: str = "recompute"  # or "fail"
     early_prefill: bool = True  # start the prefill node's compute while the decode reserves
     prefix_pull: str = "auto"  # pull a prefix a peer holds: auto (by cost), always, never
@@ -138,8 +143,16 @@ class Flow:
         Its TTFT (since `began`) counts for both nodes, its ITL for the decode node."""
         rid = request.request_id
         cached = await self.index.cached_tokens(request.prompt_token_ids)
-        prefill = self.pool.pick_prefill(len(request.prompt_token_ids), cached,
-                                         pull=self.config.prefix_pull)
+        tokens = len(request.prompt_token_ids)
+        prefill = self.pool.pick_prefill(tokens, cached, pull=self.config.prefix_pull)
+        uncached = tokens - cached.get(decode.address, Cached(0, 0)).tokens
+        if prefill is not None and self._overflows(prefill, decode, tokens, cached, uncached):
+            self.metrics.prefill_overflows.inc()
+            prefill = None
+        # The prompt's tokens, counted on the node that computes them until its first token.
+        computing = prefill or decode
+        computing_tokens = tokens - cached.get(computing.address, Cached(0, 0)).tokens
+        computing.prompt_tokens_queued += computing_tokens
         pull = None if prefill is None else self._pull(prefill, cached)
         touched = [decode] if prefill is None else [decode, prefill]
         plan = pb.PrefillPlan(
@@ -151,8 +164,6 @@ class Flow:
         )
         finished = False
         queued_s = time.monotonic() - began  # in this router's queue
-        held = cached.get(decode.address)
-        uncached = len(request.prompt_token_ids) - (held.tokens if held else 0)
         early = (None if prefill is None
                  else self._early(prefill, request, uncached, decode, pull))
         plan.early = early is not None
@@ -173,6 +184,7 @@ class Flow:
                     continue
                 if not seen:
                     seen = True
+                    computing.prompt_tokens_queued -= computing_tokens
                     self.metrics.queue_time.observe(queued_s + chunk.queued_s)
                     self._count_prefill(rid, chunk, prefill)
                     if early and not chunk.prefilled_by:  # computed on the decode node
@@ -203,6 +215,8 @@ class Flow:
             raise
         finally:
             self.queue.release(decode)
+            if not seen:
+                computing.prompt_tokens_queued -= computing_tokens
             if prefill is not None:
                 prefill.in_flight -= 1
             if not finished:  # an error, or the client went away: free it everywhere
@@ -273,6 +287,23 @@ class Flow:
             decode.waiting.pop(rid, None)
             if not finished:  # the node aborts the request when its call is cancelled
                 call.cancel()
+
+    def _overflows(self, prefill: NodeClient, decode: NodeClient, tokens: int,
+                   cached: dict[str, Cached], uncached: int) -> bool:
+        """With `overflow_wait_s`: the prompt (`tokens`, `uncached` of them missing on
+        `decode`) would wait longer than that on `prefill` (the prompt tokens this router
+        has queued there and its own, at the rate its steps computed them), and less on
+        `decode` (the same, at its own rate, or `prefill`'s until it has computed
+        prompts). Never before `prefill` has a rate."""
+        limit, rate = self.config.overflow_wait_s, prefill.prefill_rate()
+        if limit <= 0 or rate is None:
+            return False
+        there = tokens - cached.get(prefill.address, Cached(0, 0)).tokens
+        wait_there = (prefill.prompt_tokens_queued + there) / rate
+        if wait_there <= limit:
+            return False
+        wait_here = (decode.prompt_tokens_queued + uncached) / (decode.prefill_rate() or rate)
+        return wait_here < wait_there
 
     def _pull(self, prefill: NodeClient, cached: dict[str, Cached]) -> pb.PeerPrefix | None:
         """Where `prefill` should pull the prompt's prefix from: the reachable node that

@@ -42,9 +42,12 @@ _READY = re.compile(r"tandem node ready: .* grpc=(\S+)")
 def flow_config(args: argparse.Namespace) -> FlowConfig:
     if args.local_prefill_threshold < 0:
         raise ValueError("--local-prefill-threshold must be 0 or more")
+    if args.prefill_overflow_ms < 0:
+        raise ValueError("--prefill-overflow-ms must be 0 or more")
     if args.max_queued_requests < 0 or args.queue_timeout <= 0:
         raise ValueError("--max-queued-requests must be 0 or more, --queue-timeout above 0")
     return FlowConfig(local_prefill_threshold=args.local_prefill_threshold,
+                      overflow_wait_s=args.prefill_overflow_ms / 1e3,
                       on_transfer_failure=args.on_transfer_failure,
                       early_prefill=args.early_prefill, prefix_pull=args.prefix_pull,
                       max_queued_requests=args.max_queued_requests,

@@ -52,6 +52,10 @@ class RouterMetrics:
         self.early_prefills = Counter("tandem:router_early_prefills", "Prompts this router "
                                       "asked a prefill node to start while their decode node "
                                       "reserved blocks (the early start).", registry=r)
+        self.prefill_overflows = Counter(
+            "tandem:router_prefill_overflows", "Prompts this router had their decode node "
+            "compute because the prefill node's queue would hold them longer than "
+            "--prefill-overflow-ms.", registry=r)
         self.early_first_tokens = Counter(
             "tandem:router_early_first_tokens", "First tokens sent to the client from the "
             "early start's prefill node, ahead of the decode node's first chunk.", registry=r)

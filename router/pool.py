@@ -79,6 +79,7 @@ class NodeClient:
     health: pb.HealthReply | None = None
     stats: pb.StatsReply | None = None
     in_flight: int = 0  # requests this router has on it now
+    prompt_tokens_queued: int = 0  # of prompts it computes for this router, not yet done
     busy_until: float = 0.0  # time.monotonic(): it refused a request for want of room
     switching_to: int | None = None  # an admin role switch in progress
     drains: int = 0  # Drain calls answered: a poll begun before one reads a stale Health
@@ -185,6 +186,14 @@ class NodeClient:
 
     def queued_prefill_tokens(self) -> int:
         return self.stats.queued_prefill_tokens if self.stats else 0
+
+    def prefill_rate(self) -> float | None:
+        """Prompt tokens a second its steps computed, as it last said; None until it has
+        computed any."""
+        s = self.stats
+        if s is None or not s.prompt_step_seconds:
+            return None
+        return s.prompt_tokens_timed / s.prompt_step_seconds
 
     def host_token_cost(self) -> float:
         """What a prompt token copied back from its host tier costs here, in computed
