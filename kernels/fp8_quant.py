@@ -91,11 +91,7 @@ if triton is not None:
         if ONE_PASS:  # BLOCK >= cols: the row in registers
             ok = offs < cols
             v = tl.load(x + r * x_row + offs, mask=ok, other=0.0).to(tl.float32)
-            top = tl.max(tl.abs(v), axis=0)
-            s = tl.where(top > 0, top / 448.0, 1.0)
-            tl.store(scale + r, s)
-            v = tl.clamp(tl.math.div_rn(v, s), -448.0, 448.0)  # `/` is approximate on CUDA
-            tl.store(q + r * cols + offs, v.to(q.dtype.element_ty), mask=ok)
+            _quantize_held_row(v, q + r * cols + offs, ok, scale + r)
         else:
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             for c0 in range(0, cols, BLOCK):
@@ -119,8 +115,15 @@ if triton is not None:
         up = tl.load(gate_up + r * in_row + f + offs, mask=ok, other=0.0).to(tl.float32)
         # silu_mul's expression, rounded to its output dtype as it stores it
         y = (gate / (1.0 + tl.exp(-gate)) * up).to(gate_up.dtype.element_ty).to(tl.float32)
-        top = tl.max(tl.abs(y), axis=0)
+        _quantize_held_row(y, q + r * f + offs, ok, scale + r)
+
+    @triton.jit
+    def _quantize_held_row(v, q_ptrs, ok, scale_ptr):
+        """A row held in registers (fp32, zeros where not `ok`) quantized: its scale (the
+        largest |v| / 448, 1 for a row of zeros) to `scale_ptr`, its FP8 values to
+        `q_ptrs`."""
+        top = tl.max(tl.abs(v), axis=0)
         s = tl.where(top > 0, top / 448.0, 1.0)
-        tl.store(scale + r, s)
-        y = tl.clamp(tl.math.div_rn(y, s), -448.0, 448.0)
-        tl.store(q + r * f + offs, y.to(q.dtype.element_ty), mask=ok)
+        tl.store(scale_ptr, s)
+        v = tl.clamp(tl.math.div_rn(v, s), -448.0, 448.0)  # `/` is approximate on CUDA
+        tl.store(q_ptrs, v.to(q_ptrs.dtype.element_ty), mask=ok)
