@@ -152,7 +152,6 @@ class Flow:
         # The prompt's tokens, counted on the node that computes them until its first token.
         computing = prefill or decode
         computing_tokens = tokens - cached.get(computing.address, Cached(0, 0)).tokens
-        computing.prompt_tokens_queued += computing_tokens
         pull = None if prefill is None else self._pull(prefill, cached)
         touched = [decode] if prefill is None else [decode, prefill]
         plan = pb.PrefillPlan(
@@ -169,6 +168,7 @@ class Flow:
         plan.early = early is not None
         if prefill is not None:
             prefill.in_flight += 1
+        computing.prompt_tokens_queued += computing_tokens
         try:
             previous = None  # when the last chunk went to the client
             seen = False  # the decode node's first chunk
@@ -294,9 +294,9 @@ class Flow:
         `decode`) would wait longer than that on `prefill` (the prompt tokens this router
         has queued there and its own, at the rate its steps computed them), and less on
         `decode` (the same, at its own rate, or `prefill`'s until it has computed
-        prompts). Never before `prefill` has a rate."""
+        prompts). Never before `prefill` has a rate above 0."""
         limit, rate = self.config.overflow_wait_s, prefill.prefill_rate()
-        if limit <= 0 or rate is None:
+        if limit <= 0 or not rate:
             return False
         there = tokens - cached.get(prefill.address, Cached(0, 0)).tokens
         wait_there = (prefill.prompt_tokens_queued + there) / rate

@@ -199,10 +199,9 @@ class NodeClient:
         """What a prompt token copied back from its host tier costs here, in computed
         tokens: its measured prefill rate over its measured host-tier rate; 0 (as good
         as a device hit) until both are measured."""
-        s, h = self.stats, self.health
-        if s is None or h is None or not (s.prompt_step_seconds and s.host_load_seconds):
+        s, h, computed_per_s = self.stats, self.health, self.prefill_rate()
+        if s is None or h is None or computed_per_s is None or not s.host_load_seconds:
             return 0.0
-        computed_per_s = s.prompt_tokens_timed / s.prompt_step_seconds
         loaded_per_s = s.host_blocks_timed * h.layout.block_size / s.host_load_seconds
         return computed_per_s / loaded_per_s
 
@@ -211,10 +210,9 @@ class NodeClient:
         """What a prompt token pulled here from a peer costs, in tokens computed here: its
         KV bytes over this node's measured pull rate (call to arrival), against its
         measured prefill rate; 0 (as good as a hit) until both are measured."""
-        s, h = self.stats, self.health
-        if s is None or h is None or not (s.prompt_step_seconds and s.kv_pull_seconds):
+        s, h, computed_per_s = self.stats, self.health, self.prefill_rate()
+        if s is None or h is None or computed_per_s is None or not s.kv_pull_seconds:
             return 0.0
-        computed_per_s = s.prompt_tokens_timed / s.prompt_step_seconds
         pulled_per_s = s.kv_bytes_pulled / s.kv_pull_seconds
         return computed_per_s * token_bytes(h.layout) / pulled_per_s
 
