@@ -117,11 +117,17 @@ def stop(up: subprocess.Popen) -> None:
 def prefix_counts(url: str) -> dict[str, float]:
     """The router's prefix-cache counters, summed over each role's nodes: prompt tokens
     looked up (of requests that ended) and found, by tier: `prefill.queries`,
-    `decode.hits_host`, ..."""
+    `decode.hits_host`, ...; and where its requests' prompts were computed:
+    `routed_prefill`, `routed_decode-local` (`routed_overflow` of those by
+    --prefill-overflow-ms)."""
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if m := re.match(r"tandem:prefix_cache_(queries|hits)_total\{([^}]*)\} (\S+)$", line):
+        if m := re.match(r'tandem:router_requests_total\{pool="([^"]*)"\} (\S+)$', line):
+            out[f"routed_{m[1]}"] = float(m[2])
+        elif m := re.match(r"tandem:router_prefill_overflows_total (\S+)$", line):
+            out["routed_overflow"] = float(m[1])
+        elif m := re.match(r"tandem:prefix_cache_(queries|hits)_total\{([^}]*)\} (\S+)$", line):
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m[2]))
             role = labels.get("node", "").split("@")[0]
             key = f"{role}.queries" if m[1] == "queries" else (
@@ -137,7 +143,7 @@ def prefix_delta(before: dict[str, float], url: str) -> dict[str, float]:
     time.sleep(2.5)
     after = prefix_counts(url)
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
-    for role in {k.split(".")[0] for k in delta}:
+    for role in {k.split(".")[0] for k in delta if "." in k}:
         hits = sum(v for k, v in delta.items() if k.startswith(f"{role}.hits_"))
         queries = delta.get(f"{role}.queries", 0.0)
         delta[f"{role}.hit_rate"] = hits / queries if queries else 0.0
@@ -173,7 +179,7 @@ def run_config(args: argparse.Namespace, name: str, flags: str, tmp: Path
             cache = prefix_delta(before, url)
             for r in results:
                 r["prefix_cache"] = cache
-            print(f"{name} / {workload}: prefix cache " + ", ".join(
+            print(f"{name} / {workload}: prefix cache, routing " + ", ".join(
                 f"{k} {v:,.4g}" for k, v in sorted(cache.items())), flush=True)
             if probe is not None:
                 health = probe.summary()
