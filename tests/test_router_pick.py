@@ -2,7 +2,8 @@
 hit is free, a token in a node's host tier costs that node's measured prefill rate over
 its measured host-tier rate (in computed tokens), and until both are measured it counts
 as a device hit; a token it could pull from a peer, its measured prefill rate over its
-measured pull rate (never below a hit of its own)."""
+measured pull rate (never below a hit of its own). And when a prompt overflows from the
+prefill node to its decode node (`--prefill-overflow-ms`)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,39 @@ def test_a_peer_pull_costs_the_nodes_measured_rates_and_never_beats_a_hit() -> N
     assert pool.pick_prefill(2048, cached, pull="always") is b
     a.stats.queued_prefill_tokens = 0  # idle: a's own hit beats any pull
     assert pool.pick_prefill(2048, cached, pull="always") is a
+
+
+def test_a_prompt_overflows_to_the_decode_node_past_the_prefill_nodes_wait() -> None:
+    """`--prefill-overflow-ms`: a prompt goes to its decode node where the prompt tokens
+    this router has queued on the prefill node, its own included, would take longer
+    than the limit at the node's measured rate, and would take less on the decode node;
+    never before the prefill node has a rate, nor with the limit at 0."""
+    from tandem.router.flow import Flow, FlowConfig
+    from tandem.router.index import RouterIndex
+    from tandem.router.metrics import RouterMetrics
+
+    pool = Pool(["p:1"], ["d:1"])
+    (prefill,), (decode,) = pool.prefill, pool.decode
+    index = RouterIndex(None, pool, "tiny")
+    flow = Flow(pool, FlowConfig(overflow_wait_s=0.2), RouterMetrics(pool, index), index)
+    off = Flow(pool, FlowConfig(), RouterMetrics(pool, index), index)
+    _up(prefill)
+    _up(decode)
+
+    def overflows(f: Flow = flow) -> bool:
+        return f._overflows(prefill, decode, 1000, {}, 1000)
+
+    prefill.prompt_tokens_queued = 10_000
+    assert not overflows()  # no rate measured yet
+    _up(prefill, prompt_tokens_timed=10_000, prompt_step_seconds=1.0)  # 10,000 tokens/s
+    prefill.prompt_tokens_queued = 1000
+    assert not overflows()  # 2,000 tokens: 0.2 s, not past the limit
+    prefill.prompt_tokens_queued = 1001
+    assert overflows()  # past it, and the decode node's queue is empty
+    assert not overflows(off)
+    decode.prompt_tokens_queued = 1001  # as long a wait there (at the prefill node's rate)
+    assert not overflows()
+    _up(decode, prompt_tokens_timed=40_000, prompt_step_seconds=1.0)  # 4x as fast there
+    assert overflows()
+    # Tokens the prefill node holds of the prompt do not wait there.
+    assert not flow._overflows(prefill, decode, 1000, {"p:1": Cached(500, 500)}, 1000)
