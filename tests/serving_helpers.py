@@ -166,3 +166,15 @@ def tandem_up(flags: list[str]) -> Iterator[tuple[str, subprocess.Popen, int]]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError("tandem up did not stop on Ctrl-C") from None
+
+
+def completion_token_ids(url: str, prompt: list[int], max_tokens: int,
+                         model: str = "tiny") -> list[int]:
+    """A greedy completion's token ids (all `max_tokens` of them, EOS ignored) for a
+    token-id prompt, from the router's /v1/completions."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["choices"][0]["token_ids"]

@@ -5,15 +5,13 @@ giving the offline engine's tokens."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.request
 from typing import Any
 
 import pytest
 import torch
-from serving_helpers import metric_samples, tandem_up
+from serving_helpers import completion_token_ids, metric_samples, tandem_up
 
 from tandem import LLM, SamplingParams
 
@@ -51,15 +49,6 @@ def test_an_engine_on_the_second_device_steps_from_a_new_thread(expected) -> Non
     assert torch.cuda.memory_allocated(1) > 0
 
 
-def _complete(url: str, prompt: list[int]) -> list[int]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0,
-            "ignore_eos": True}
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())["choices"][0]["token_ids"]
-
-
 @pytest.mark.parametrize("flags", [
     ["--prefill-devices", "cuda:0", "--decode-devices", "cuda:1", "--connector", "ipc"],
     ["--prefill-devices", "cuda:1", "--decode-devices", "cuda:0", "--connector", "nccl"],
@@ -68,7 +57,7 @@ def _complete(url: str, prompt: list[int]) -> list[int]:
 def test_tandem_up_serves_with_nodes_on_either_gpu(flags: list[str], expected) -> None:  # noqa: ANN001
     with tandem_up([*TINY, "--device", "cuda", *flags]) as (url, _, _):
         for _ in range(3):  # colocated: the router spreads them over both nodes
-            assert [_complete(url, p) for p in PROMPTS] == expected
+            assert [completion_token_ids(url, p, 16) for p in PROMPTS] == expected
         local = sum(v for name, labels, v in metric_samples(url)
                     if name == "tandem:router_requests_total"
                     and labels.get("pool") == "decode-local")

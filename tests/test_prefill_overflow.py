@@ -6,14 +6,12 @@ what overflowed. Without the flag nothing does."""
 
 from __future__ import annotations
 
-import json
 import random
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from serving_helpers import cluster, metric_samples
+from serving_helpers import cluster, completion_token_ids, metric_samples
 
 from tandem import LLM, SamplingParams
 
@@ -22,15 +20,6 @@ pytestmark = pytest.mark.slow
 SECRET = "overflow-test-secret"
 TINY = ["--model", "tiny", "--load-format", "dummy", "--skip-tokenizer-init",
         "--num-kv-blocks", "512", "--max-model-len", "1024"]
-
-
-def _complete(url: str, prompt: list[int]) -> list[int]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0,
-            "ignore_eos": True}
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())["choices"][0]["token_ids"]
 
 
 def _counts(url: str) -> dict[str, float]:
@@ -56,10 +45,10 @@ def test_a_burst_overflows_the_prefill_queue_onto_the_decode_node(overflow_ms: s
         router += ["--prefill-overflow-ms", overflow_ms]
     with cluster(1, 1, SECRET, TINY, router_flags=router) as c:
         warm = [rng.randrange(3, 250) for _ in range(300)]
-        _complete(c.url, warm)  # the prefill node computes a prompt: it has a rate
+        completion_token_ids(c.url, warm, 6)  # the prefill node computes a prompt: a rate
         time.sleep(2.5)  # the router polls its nodes' Stats every second
         with ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(lambda p: _complete(c.url, p), prompts))
+            got = list(pool.map(lambda p: completion_token_ids(c.url, p, 6), prompts))
         assert got == want
         counts = _counts(c.url)
     assert counts.get("prefill", 0) + counts.get("decode-local", 0) == len(prompts) + 1
