@@ -211,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decode-devices", default=None, metavar="DEV[,DEV...]",
                    help="device of each decode (or colocated) node, or one for all "
                         "(default: --device)")
+    g.add_argument("--decode-max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="the decode (or colocated) nodes' token budget per step: smaller "
+                        "than the prefill nodes', the prompts a decode node computes "
+                        "itself (--prefill-overflow-ms, a failed transfer) go in smaller "
+                        "chunks beside its running decodes, whose steps stay short "
+                        "(default: --max-num-batched-tokens)")
     _add_router_args(up)
     _add_engine_args(up)
     up.set_defaults(func=_up)
@@ -261,9 +267,9 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                         "fewer than this is prefilled on the decode node, skipping the "
                         "prefill pool (default: %(default)s, always use the prefill pool)")
     g.add_argument("--prefill-overflow-ms", type=float, default=0.0, metavar="MS",
-                   help="a prompt that would wait longer than this on the prefill node (the "
-                        "prompt tokens this router has sent it, its own included, at the "
-                        "rate it computes them) is computed by its decode node instead, "
+                   help="a prompt that would be computed later than this on the prefill "
+                        "node (after the prompts this router sent it before, at the rate "
+                        "it computes them) is computed by its decode node instead, "
                         "where it would start sooner: the decode GPU takes the prefill "
                         "pool's overflow, at some cost to its decodes' pace (default: "
                         "%(default)s, never)")

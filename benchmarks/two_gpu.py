@@ -121,6 +121,9 @@ def parse_args() -> argparse.Namespace:
                         "overflow to the decode node (--prefill-overflow-ms; default: none)")
     g.add_argument("--overflow-ms", type=float, default=200.0,
                    help="those configurations' --prefill-overflow-ms (default: %(default)s)")
+    g.add_argument("--overflow-flags", default="",
+                   help="more tandem up flags for those configurations, e.g. "
+                        "'--decode-max-num-batched-tokens 512'")
     g.add_argument("--common", default=COMMON,
                    help="flags every tandem up gets, and the offline engine its engine "
                         "flags (default: %(default)s)")
@@ -200,7 +203,8 @@ def configurations(args: argparse.Namespace) -> dict[str, str]:
                 f"--connector {c}")
 
     disaggregated = {f"1P1D {c}": one_p_one_d(c) for c in args.connectors}
-    overflow = {f"1P1D {c}-overflow": f"{one_p_one_d(c)} --prefill-overflow-ms {args.overflow_ms:g}"
+    overflow = {f"1P1D {c}-overflow": (f"{one_p_one_d(c)} --prefill-overflow-ms "
+                                       f"{args.overflow_ms:g} {args.overflow_flags}").strip()
                 for c in args.overflow_connectors}
     return (disaggregated | overflow
             | {COLOCATED: f"--colocated 2 --decode-devices {first},{second}"})

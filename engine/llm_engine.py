@@ -169,6 +169,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.prompt_tokens_timed = 0  # prompt tokens of the steps timed below
         self.prompt_step_seconds = 0.0
+        self._step_ended = 0.0  # time.perf_counter() when the last step's tokens landed
         # Decode role: requests holding their prompt's blocks, waiting for its KV.
         self._reserved: dict[str, Request] = {}
         # Prefill role: called with a request just before the step that completes its
@@ -405,11 +406,17 @@ class LLMEngine:
         return computed
 
     def _timed(self, prompt_tokens: int, began: float) -> None:
-        """A step that computed prompt tokens ended: its time since `began` (its launch)
-        prices a computed token against one found in a tier (mixed steps overcharge)."""
+        """A step ended: if it computed prompt tokens, its time since `began` (its launch)
+        or since the step before it ended, whichever is later, prices a computed token
+        against one found in a tier (mixed steps overcharge). A step launched ahead
+        waits for the one before it: timed from its launch, back-to-back prompt steps
+        each counted two steps' time, and the router's --prefill-overflow-ms saw half
+        the prefill node's rate."""
+        now = time.perf_counter()
         if prompt_tokens:
             self.prompt_tokens_timed += prompt_tokens
-            self.prompt_step_seconds += time.perf_counter() - began
+            self.prompt_step_seconds += now - max(began, self._step_ended)
+        self._step_ended = now
 
     def _layer_callback(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
         """The prefill hook's callbacks for the requests whose prompt this step completes."""

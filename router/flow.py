@@ -146,12 +146,16 @@ class Flow:
         tokens = len(request.prompt_token_ids)
         prefill = self.pool.pick_prefill(tokens, cached, pull=self.config.prefix_pull)
         uncached = tokens - cached.get(decode.address, Cached(0, 0)).tokens
-        if prefill is not None and self._overflows(prefill, decode, tokens, cached, uncached):
+        routed = time.monotonic()
+        # A rate for the decode node's prompt queue until it has measured its own.
+        rate = prefill.prefill_rate() if prefill is not None else None
+        if prefill is not None and self._overflows(prefill, decode, tokens, cached, uncached,
+                                                   routed):
             self.metrics.prefill_overflows.inc()
             prefill = None
-        # The prompt's tokens, counted on the node that computes them until its first token.
         computing = prefill or decode
-        computing_tokens = tokens - cached.get(computing.address, Cached(0, 0)).tokens
+        computing.take_prompt(tokens - cached.get(computing.address, Cached(0, 0)).tokens,
+                              computing.prefill_rate() or rate, routed)
         pull = None if prefill is None else self._pull(prefill, cached)
         touched = [decode] if prefill is None else [decode, prefill]
         plan = pb.PrefillPlan(
@@ -162,13 +166,12 @@ class Flow:
             pull=pull,
         )
         finished = False
-        queued_s = time.monotonic() - began  # in this router's queue
+        queued_s = routed - began  # in this router's queue
         early = (None if prefill is None
                  else self._early(prefill, request, uncached, decode, pull))
         plan.early = early is not None
         if prefill is not None:
             prefill.in_flight += 1
-        computing.prompt_tokens_queued += computing_tokens
         try:
             previous = None  # when the last chunk went to the client
             seen = False  # the decode node's first chunk
@@ -184,7 +187,6 @@ class Flow:
                     continue
                 if not seen:
                     seen = True
-                    computing.prompt_tokens_queued -= computing_tokens
                     self.metrics.queue_time.observe(queued_s + chunk.queued_s)
                     self._count_prefill(rid, chunk, prefill)
                     if early and not chunk.prefilled_by:  # computed on the decode node
@@ -215,8 +217,6 @@ class Flow:
             raise
         finally:
             self.queue.release(decode)
-            if not seen:
-                computing.prompt_tokens_queued -= computing_tokens
             if prefill is not None:
                 prefill.in_flight -= 1
             if not finished:  # an error, or the client went away: free it everywhere
@@ -289,21 +289,20 @@ class Flow:
                 call.cancel()
 
     def _overflows(self, prefill: NodeClient, decode: NodeClient, tokens: int,
-                   cached: dict[str, Cached], uncached: int) -> bool:
+                   cached: dict[str, Cached], uncached: int, now: float) -> bool:
         """With `overflow_wait_s`: the prompt (`tokens`, `uncached` of them missing on
-        `decode`) would wait longer than that on `prefill` (the prompt tokens this router
-        has queued there and its own, at the rate its steps computed them), and less on
+        `decode`) would be computed later than that on `prefill` (after the prompts this
+        router sent there before it, at the rate its steps computed them), and sooner on
         `decode` (the same, at its own rate, or `prefill`'s until it has computed
         prompts). Never before `prefill` has a rate above 0."""
         limit, rate = self.config.overflow_wait_s, prefill.prefill_rate()
         if limit <= 0 or not rate:
             return False
         there = tokens - cached.get(prefill.address, Cached(0, 0)).tokens
-        wait_there = (prefill.prompt_tokens_queued + there) / rate
+        wait_there = prefill.prompt_wait(there, rate, now)
         if wait_there <= limit:
             return False
-        wait_here = (decode.prompt_tokens_queued + uncached) / (decode.prefill_rate() or rate)
-        return wait_here < wait_there
+        return decode.prompt_wait(uncached, decode.prefill_rate() or rate, now) < wait_there
 
     def _pull(self, prefill: NodeClient, cached: dict[str, Cached]) -> pb.PeerPrefix | None:
         """Where `prefill` should pull the prompt's prefix from: the reachable node that

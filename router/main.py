@@ -117,6 +117,8 @@ def plan_nodes(args: argparse.Namespace) -> list[NodePlan]:
     decode nodes that prefill their own prompts), each role's devices from its
     --*-devices list (one per node, or one for all). Nodes on one CUDA device split
     --gpu-memory-fraction (`_shares`). Raises ValueError for inconsistent flags."""
+    if args.decode_max_num_batched_tokens is not None and args.decode_max_num_batched_tokens < 1:
+        raise ValueError("--decode-max-num-batched-tokens must be 1 or more")
     if args.colocated is not None:
         if args.colocated < 1:
             raise ValueError("--colocated needs at least 1 node")
@@ -197,8 +199,7 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # until uvicorn takes it over
     try:
         for node in plan:
-            flags = _engine_flags(args, device=node.device,
-                                  memory_fraction=node.memory_fraction)
+            flags = _engine_flags(args, node)
             child = subprocess.Popen(
                 [sys.executable, "-m", "tandem.cli", "node", "--role", node.role,
                  "--port", "0", "--connector", args.connector, *flags,
@@ -239,13 +240,16 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def _engine_flags(args: argparse.Namespace, device: str, memory_fraction: float) -> list[str]:
+def _engine_flags(args: argparse.Namespace, node: NodePlan) -> list[str]:
+    budget = args.max_num_batched_tokens
+    if node.role == "decode" and args.decode_max_num_batched_tokens is not None:
+        budget = args.decode_max_num_batched_tokens
     flags = ["--model", args.model, "--load-format", args.load_format, "--dtype", args.dtype,
-             "--device", device, "--block-size", str(args.block_size),
+             "--device", node.device, "--block-size", str(args.block_size),
              "--max-num-seqs", str(args.max_num_seqs),
-             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--max-num-batched-tokens", str(budget),
              "--max-model-len", str(args.max_model_len), "--seed", str(args.seed),
-             "--gpu-memory-fraction", str(memory_fraction)]
+             "--gpu-memory-fraction", str(node.memory_fraction)]
     if args.skip_tokenizer_init:
         flags.append("--skip-tokenizer-init")
     if args.attention_backend is not None:

@@ -79,7 +79,10 @@ class NodeClient:
     health: pb.HealthReply | None = None
     stats: pb.StatsReply | None = None
     in_flight: int = 0  # requests this router has on it now
-    prompt_tokens_queued: int = 0  # of prompts it computes for this router, not yet done
+    # time.monotonic() when the prompts this router sent it would all be computed, at its
+    # measured rate (`take_prompt`): its prompt queue's length, as --prefill-overflow-ms
+    # judges it.
+    prompts_done_at: float = 0.0
     busy_until: float = 0.0  # time.monotonic(): it refused a request for want of room
     switching_to: int | None = None  # an admin role switch in progress
     drains: int = 0  # Drain calls answered: a poll begun before one reads a stale Health
@@ -194,6 +197,20 @@ class NodeClient:
         if s is None or not s.prompt_step_seconds:
             return None
         return s.prompt_tokens_timed / s.prompt_step_seconds
+
+    def prompt_wait(self, tokens: int, rate: float, now: float) -> float:
+        """Seconds until `tokens` more prompt tokens would be computed here, at `rate` a
+        second, after the prompts this router sent before them."""
+        return max(0.0, self.prompts_done_at - now) + tokens / rate
+
+    def take_prompt(self, tokens: int, rate: float | None, now: float) -> None:
+        """`tokens` prompt tokens sent here, to be computed after the others at `rate` a
+        second (none counted without a rate). A clock rather than a count of prompts not
+        yet answered: a prompt is done here when its last step is, while its first token
+        reaches this router only after its KV's transfer and the decode node's next step,
+        which a count would add to the queue."""
+        if rate:
+            self.prompts_done_at = max(now, self.prompts_done_at) + tokens / rate
 
     def host_token_cost(self) -> float:
         """What a prompt token copied back from its host tier costs here, in computed

@@ -68,10 +68,11 @@ def test_a_peer_pull_costs_the_nodes_measured_rates_and_never_beats_a_hit() -> N
 
 
 def test_a_prompt_overflows_to_the_decode_node_past_the_prefill_nodes_wait() -> None:
-    """`--prefill-overflow-ms`: a prompt goes to its decode node where the prompt tokens
-    this router has queued on the prefill node, its own included, would take longer
-    than the limit at the node's measured rate, and would take less on the decode node;
-    never before the prefill node has a rate, nor with the limit at 0."""
+    """`--prefill-overflow-ms`: a prompt goes to its decode node where the prompts this
+    router sent the prefill node before it, and its own, would be computed later than
+    the limit at the node's measured rate, and sooner on the decode node; never before
+    the prefill node has a rate, nor with the limit at 0. The queue is a clock: what was
+    sent is done once its time has passed, answered or not."""
     from tandem.router.flow import Flow, FlowConfig
     from tandem.router.index import RouterIndex
     from tandem.router.metrics import RouterMetrics
@@ -83,21 +84,24 @@ def test_a_prompt_overflows_to_the_decode_node_past_the_prefill_nodes_wait() -> 
     off = Flow(pool, FlowConfig(), RouterMetrics(pool, index), index)
     _up(prefill)
     _up(decode)
+    now = 100.0
 
-    def overflows(f: Flow = flow) -> bool:
-        return f._overflows(prefill, decode, 1000, {}, 1000)
+    def overflows(f: Flow = flow, at: float = now) -> bool:
+        return f._overflows(prefill, decode, 1000, {}, 1000, at)
 
-    prefill.prompt_tokens_queued = 10_000
+    prefill.take_prompt(10_000, None, now)
+    assert prefill.prompts_done_at == 0.0  # nothing counted without a rate
     assert not overflows()  # no rate measured yet
     _up(prefill, prompt_tokens_timed=10_000, prompt_step_seconds=1.0)  # 10,000 tokens/s
-    prefill.prompt_tokens_queued = 1000
+    prefill.take_prompt(1000, prefill.prefill_rate(), now)
     assert not overflows()  # 2,000 tokens: 0.2 s, not past the limit
-    prefill.prompt_tokens_queued = 1001
+    prefill.take_prompt(1, prefill.prefill_rate(), now)
     assert overflows()  # past it, and the decode node's queue is empty
     assert not overflows(off)
-    decode.prompt_tokens_queued = 1001  # as long a wait there (at the prefill node's rate)
+    assert not overflows(at=now + 0.01)  # 100 of the tokens before it computed since
+    decode.take_prompt(1001, prefill.prefill_rate(), now)  # as long a wait there
     assert not overflows()
     _up(decode, prompt_tokens_timed=40_000, prompt_step_seconds=1.0)  # 4x as fast there
     assert overflows()
     # Tokens the prefill node holds of the prompt do not wait there.
-    assert not flow._overflows(prefill, decode, 1000, {"p:1": Cached(500, 500)}, 1000)
+    assert not flow._overflows(prefill, decode, 1000, {"p:1": Cached(500, 500)}, 1000, now)

@@ -34,6 +34,22 @@ def test_default_plan_is_one_prefill_and_one_decode_node() -> None:
                                      NodePlan("decode", "cpu", 0.85)]
 
 
+def test_decode_nodes_take_their_own_token_budget() -> None:
+    """--decode-max-num-batched-tokens: the decode nodes' step budget; the prefill nodes
+    keep --max-num-batched-tokens."""
+    from tandem.router.main import _engine_flags
+
+    args = up_args("--max-num-batched-tokens", "4096", "--decode-max-num-batched-tokens",
+                   "512")
+    budgets = {}
+    for node in plan_nodes(args):
+        flags = _engine_flags(args, node)
+        budgets[node.role] = flags[flags.index("--max-num-batched-tokens") + 1]
+    assert budgets == {"prefill": "4096", "decode": "512"}
+    flags = _engine_flags(up_args(), plan_nodes(up_args())[1])
+    assert flags[flags.index("--max-num-batched-tokens") + 1] == "2048"
+
+
 def test_devices_per_role_and_shared_devices_split_the_memory() -> None:
     plan = plan_nodes(up_args("--prefill", "2", "--decode", "1", "--prefill-devices",
                               "cuda:0,cuda:1", "--decode-devices", "cuda:1"))
@@ -87,6 +103,7 @@ def test_colocated_plan_has_decode_nodes_only() -> None:
     (["--colocated", "1", "--prefill-devices", "cuda:0"], "no prefill nodes"),
     (["--decode", "0"], "at least 1"),
     (["--colocated", "0"], "at least 1"),
+    (["--decode-max-num-batched-tokens", "0"], "1 or more"),
 ])
 def test_inconsistent_plans_are_refused(flags: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
