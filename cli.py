@@ -28,13 +28,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="auto: the KV cache in --dtype; fp8: in FP8 (e4m3, a scale per layer), "
                         "twice the blocks of bf16 in the same memory (default: %(default)s)")
-    g.add_argument("--cpu-weights", default="fp32", choices=["auto", "fp32", "fp16", "bf16"],
+    g.add_argument("--cpu-weights", default="fp32",
+                   choices=["auto", "fp32", "fp16", "bf16", "gguf"],
                    help="on the CPU, an fp32 model's decoder linear layers: fp32 (token-exact "
                         "against transformers), fp16 (those and the logits packed once for "
                         "fbgemm: half the bytes a decode step reads, activations kept fp32; "
                         "x86 with AVX2), bf16 (packed once for oneDNN, activations rounded to "
-                        "bf16), auto (fp16 where it runs, else bf16 where the CPU has "
-                        "AVX512-BF16 or AMX, else fp32) (default: %(default)s)")
+                        "bf16), gguf (a GGUF checkpoint's own Q4_1/Q8_0 blocks, those and the "
+                        "logits, at a decode step's rows, activations kept fp32: Q4_1 is a "
+                        "sixth of fp32's bytes; x86 with AVX2 and a C++ compiler, which builds "
+                        "the kernel once), auto (gguf where it runs, else fp16 where it runs, "
+                        "else bf16 where the CPU has AVX512-BF16 or AMX, else fp32) "
+                        "(default: %(default)s)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     g.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV block (default: %(default)s)")

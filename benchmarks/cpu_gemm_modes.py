@@ -8,12 +8,15 @@ Formats: fp32 through torch's GEMM (MKL); fp32 and bf16 weights packed once by o
 (`engine/cpu_linear.py`'s path; bf16 activations in and fp32 out); fp16 weights packed
 by fbgemm (fp32 activations, `--cpu-weights fp16`); int8 weights with per-channel scales
 (`aten._weight_int8pack_mm`, weight-only; fbgemm's, activations quantized per call); int4
-in groups of 32 with scales and zero points (`aten._weight_int4pack_mm_for_cpu`).
-Each GEMM is timed alone (its weight stays in cache), and the model's layers as a step
-runs them (`step_ms`: every layer's weights distinct, read from memory). The weights are
-random: only speed is measured here. A format this CPU or this torch build cannot run
-(oneDNN's bf16 packing on a CPU without AVX-512, say) is reported as unsupported, with its
-error, and skipped.
+in groups of 32 with scales and zero points (`aten._weight_int4pack_mm_for_cpu`); GGUF's
+Q4_1 and Q8_0 blocks through engine/cpu_quant.py's kernel (fp32 activations,
+`--cpu-weights gguf`, which runs a GGUF's Q4_1 layers with its Q8_0 embedding as the LM
+head). Each GEMM is timed alone (its weight stays in cache), and the model's layers as a
+step runs them (`step_ms`: every layer's weights distinct, read from memory, then the LM
+head's, `step_head_ms` the two together; in `HEAD_FORMAT`'s format where it names one).
+The weights are random: only speed is measured here. A format this CPU or this torch build
+cannot run (oneDNN's bf16 packing on a CPU without AVX-512, say) is reported as
+unsupported, with its error, and skipped.
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tandem.engine import cpu_quant
 from tandem.engine.config import NAMED_SHAPES
 
 GROUP = 32  # int4's group of input columns per scale
+# The LM head's format in a step of these formats' layers (else the layers' own).
+HEAD_FORMAT = {"gguf Q4_1": "gguf Q8_0"}
 
 
 def shapes(model: str) -> dict[str, tuple[int, int]]:
@@ -94,6 +100,17 @@ def _int8_dynamic(w: torch.Tensor) -> Gemm:
     return lambda x: torch.ops.quantized.linear_dynamic(x, packed, False)
 
 
+def _gguf(w: torch.Tensor, kind: str) -> Gemm:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if why := cpu_quant.unavailable():
+        raise RuntimeError(f"engine/cpu_quant.py {why}")
+    blocks = quantize(w.numpy(), GGMLQuantizationType[kind])
+    quant = cpu_quant.Blocks(cpu_quant.KINDS[kind], torch.from_numpy(blocks))
+    return lambda x: cpu_quant.linear(x, quant)
+
+
 def formats(w: torch.Tensor, rows: int) -> dict[str, Callable[[], Gemm]]:
     """Each format's maker: it prepares the weight (packing, quantizing) and returns the
     GEMM; either step raises where this CPU or torch build lacks the format."""
@@ -105,6 +122,8 @@ def formats(w: torch.Tensor, rows: int) -> dict[str, Callable[[], Gemm]]:
         "int8": lambda: _int8(w),
         "int8 fbgemm dynamic": lambda: _int8_dynamic(w),
         "int4 g32": lambda: _int4(w),
+        "gguf Q4_1": lambda: _gguf(w, "Q4_1"),
+        "gguf Q8_0": lambda: _gguf(w, "Q8_0"),
     }
 
 
@@ -117,9 +136,10 @@ def measure(make: Callable[[], Gemm], x: torch.Tensor) -> float | str:
         return f"unsupported: {str(exc).splitlines()[0][:200]}"
 
 
-def step_ms(model: str, rows: int, fmt: str) -> float | str:
+def step_ms(model: str, rows: int, fmt: str) -> tuple[float, float] | str:
     """The model's layers' GEMMs at `rows` rows, each layer's weights its own (a step's
-    reads come from memory, not cache): the best of five, in ms."""
+    reads come from memory, not cache), then its LM head's (in HEAD_FORMAT's format where
+    it names one): the best of seven of each, in ms."""
     layers = NAMED_SHAPES[model].num_layers
     gemms = []
     try:
@@ -128,15 +148,21 @@ def step_ms(model: str, rows: int, fmt: str) -> float | str:
                 if name != "lm_head":
                     gemm = formats(torch.randn(n, k) * 0.02, rows)[fmt]()
                     gemms.append((gemm, torch.randn(rows, k)))
+        n, k = shapes(model)["lm_head"]
+        head = formats(torch.randn(n, k) * 0.02, rows)[HEAD_FORMAT.get(fmt, fmt)]()
     except (RuntimeError, NotImplementedError) as exc:
         return f"unsupported: {str(exc).splitlines()[0][:200]}"
-    best = float("inf")
+    x = torch.randn(rows, k)
+    best, best_head = float("inf"), float("inf")
     for _ in range(7):
         start = time.perf_counter()
-        for gemm, x in gemms:
-            gemm(x)
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+        for gemm, xi in gemms:
+            gemm(xi)
+        middle = time.perf_counter()
+        head(x)
+        best = min(best, middle - start)
+        best_head = min(best_head, time.perf_counter() - middle)
+    return best * 1e3, best_head * 1e3
 
 
 def main() -> None:
@@ -144,9 +170,10 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m", choices=sorted(NAMED_SHAPES))
     p.add_argument("--rows", default="1,8", help="(default: %(default)s)")
     p.add_argument("--json", default=None)
-    p.add_argument("--skip-step", default="int8,int4 g32", type=lambda v: v.split(","),
-                   help="formats not timed over every layer: the slow ones "
-                        "(default: %(default)s)")
+    p.add_argument("--skip-step", default="int8,int4 g32,gguf Q8_0",
+                   type=lambda v: v.split(","),
+                   help="formats not timed over every layer: the slow ones, and Q8_0 layers "
+                        "(a GGUF's are Q4_1 here) (default: %(default)s)")
     args = p.parse_args()
     torch.manual_seed(0)
     results: dict[str, dict[str, dict[str, float]]] = {}
@@ -159,11 +186,15 @@ def main() -> None:
                if all(isinstance(table[s][f], float) for s in table)]
         layer = {f: sum(table[s][f] for s in table if s != "lm_head") for f in ran}
         unsupported = {f: table["qkv"][f] for f in table["qkv"] if f not in ran}
-        step = {f: step_ms(args.model, rows, f) for f in ran if f not in args.skip_step}
+        timed = {f: step_ms(args.model, rows, f) for f in ran if f not in args.skip_step}
+        step = {f: t[0] for f, t in timed.items()}
+        step_head = {f: t[0] + t[1] for f, t in timed.items()}
         results[str(rows)] = {"per_gemm_us": table, "layer_us": layer, "step_ms": step,
-                              "unsupported": unsupported}
+                              "step_head_ms": step_head, "unsupported": unsupported}
         print(f"{rows} rows, every layer's GEMMs, weights from memory (ms): "
               + ", ".join(f"{f} {v:,.1f}" for f, v in step.items()))
+        print(f"{rows} rows, every layer's GEMMs and the LM head, from memory (ms): "
+              + ", ".join(f"{f} {v:,.1f}" for f, v in step_head.items()))
         print(f"{rows} rows, one layer's GEMMs (us): "
               + ", ".join(f"{f} {v:,.0f}" for f, v in layer.items()))
         print(f"{rows} rows, LM head (us): "

@@ -169,7 +169,8 @@ def parse_args() -> argparse.Namespace:
                    help="Tandem's batch, as a node's flag (default: %(default)s)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="Tandem without its prefix cache, as a node's flag")
-    p.add_argument("--cpu-weights", choices=("auto", "fp32", "fp16", "bf16"), default="fp32",
+    p.add_argument("--cpu-weights", choices=("auto", "fp32", "fp16", "bf16", "gguf"),
+                   default="fp32",
                    help="Tandem's decoder linear layers on the CPU, as a node's flag "
                         "(default: %(default)s)")
     p.add_argument("--skip-hf", action="store_true", help="time Tandem only")

@@ -390,7 +390,7 @@ class SchedulerConfig:
 
 
 QUANTIZATIONS = (None, "fp8")
-CPU_WEIGHTS = ("auto", "fp32", "fp16", "bf16")
+CPU_WEIGHTS = ("auto", "fp32", "fp16", "bf16", "gguf")
 
 
 @dataclass(frozen=True)
@@ -417,7 +417,9 @@ class EngineConfig:
     quantization: str | None = None
     # An fp32 model's decoder linear layers on the CPU: "fp32" as loaded (token-exact
     # against transformers), "fp16" packed for fbgemm with the logits, "bf16" packed for
-    # oneDNN (engine/cpu_linear.py), "auto" the fastest this CPU runs (weights_mode).
+    # oneDNN (engine/cpu_linear.py), "gguf" with the logits from a GGUF checkpoint's own
+    # Q4_1/Q8_0 blocks (engine/cpu_quant.py), "auto" the fastest this CPU runs
+    # (weights_mode).
     cpu_weights: str = "fp32"
 
     def __post_init__(self) -> None:

@@ -28,6 +28,11 @@ step's rows on the 2-core machine and keeps SmolLM2's greedy tokens; fbgemm's in
 (activations quantized per call, one scale a row) was faster still (6.5 ms for the 30
 layers at one row against fp16's 8.8) but changed SmolLM2's first token on 9 of the 20
 test prompts, so it is not offered.
+
+A GGUF checkpoint's own blocks (`--cpu-weights gguf`, `pack_gguf`): its Q4_1 and Q8_0
+matrices as the file stores them, multiplied by engine/cpu_quant.py's kernel with fp32
+activations, the fp32 weights' result up to summation order. Q4_1 is 20 bytes per 32
+weights: a decode step of SmolLM2 reads 96 MB, where fp16 reads 270 and fp32 540.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import re
 import torch
 import torch.nn.functional as F
 
+from tandem.engine import cpu_quant
 from tandem.engine.fp8 import LAYERS  # the decoder layers' linear layers, as for FP8
 
 log = logging.getLogger(__name__)
@@ -91,6 +97,9 @@ def packed_rows(rows: int) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:  # x: [T, in], weight: [out, in] -> [T, out]
+    blocks = getattr(weight, _GGUF_BLOCKS, None)
+    if blocks is not None and x.shape[0] <= _GGUF_MAX_ROWS:
+        return cpu_quant.linear(x, blocks, bias)
     fp16 = getattr(weight, _PACKED_FP16, None)
     if fp16 is not None and x.shape[0] <= _FP16_MAX_ROWS:  # the bias is in the packing
         return torch.ops.quantized.linear_dynamic_fp16(x, fp16)
@@ -152,13 +161,25 @@ def has_fp16_gemm() -> bool:
     return bool(torch.all(out == 8))
 
 
-def weights_mode(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """What `cpu_weights` comes to here: fp16 or bf16 only for an fp32 model on the CPU,
-    asked for or (auto) where the CPU runs it fast: fp16 wherever fbgemm's fp16 GEMM runs
-    (the fastest of the three up to 8 rows, and the most accurate of the two halves),
-    else bf16 where the CPU multiplies bf16 in hardware, else fp32."""
+def weights_mode(choice: str, device: torch.device, dtype: torch.dtype,
+                 gguf_types: dict[str, str] | None = None) -> str:
+    """What `cpu_weights` comes to here, for a checkpoint whose GGUF matrices have
+    `gguf_types` (None: not a GGUF): fp16, bf16 or gguf only for an fp32 model on the CPU,
+    gguf only for a GGUF whose decoder linear layers and logits are Q4_1 or Q8_0, where the
+    kernel builds (cpu_quant.unsupported). Asked for or (auto) where the CPU runs it fast:
+    gguf where it runs, else fp16 wherever fbgemm's fp16 GEMM runs (the fastest of the
+    others up to 8 rows, and the most accurate of the two halves), else bf16 where the CPU
+    multiplies bf16 in hardware, else fp32.
+
+    auto takes gguf over fp16 because it is faster at one row and at eight and agrees with
+    fp32 as well. On the 2-core machine (Zen 4, AVX-512): SmolLM2's 30 layers and logits,
+    weights from memory, 5.3 ms at one row against fp16's 13.0, 15.6 at eight against
+    16.9 (benchmarks/cpu_gemm_modes.py); a decode step, the two engines in one process in
+    turn, 17.4 ms at batch 1 against 22.0, 33.4 at batch 8 against 35.8; and SmolLM2's
+    greedy tokens equal fp32's on all 20 test prompts for 32 tokens, as fp16's do. Its
+    costs: a C++ compiler on the machine, and one build (10-14 s) on first use."""
     fits = device.type == "cpu" and dtype == torch.float32
-    if choice in ("fp16", "bf16") and not fits:
+    if choice in ("fp16", "bf16", "gguf") and not fits:
         raise ValueError(f"cpu_weights={choice!r} is for an fp32 model on the CPU "
                          f"(got {dtype} on {device})")
     if choice == "fp16" and not has_fp16_gemm():
@@ -167,8 +188,15 @@ def weights_mode(choice: str, device: torch.device, dtype: torch.dtype) -> str:
     if choice == "bf16" and not has_bf16_packing():
         raise ValueError("cpu_weights='bf16' needs oneDNN's bf16 weights (an x86 CPU with "
                          "AVX-512 or AVX-NE-CONVERT); choose fp16 or fp32")
+    if choice == "gguf" and (why := cpu_quant.unsupported(gguf_types)):
+        raise ValueError(f"cpu_weights='gguf' {why}; choose fp16 or fp32")
     if choice != "auto":
         return choice
+    if fits and gguf_types is not None:
+        why = cpu_quant.unsupported(gguf_types)
+        if why is None:
+            return "gguf"
+        log.info("cpu_weights auto: not gguf, which %s", why)
     if fits and has_fp16_gemm():
         return "fp16"
     return "bf16" if fits and has_native_bf16() else "fp32"
@@ -230,5 +258,34 @@ def pack_fp16(model: torch.nn.Module, logits_weight: torch.Tensor) -> int:
             bias = None if module.bias is None else module.bias.detach()
             setattr(module.weight, _PACKED_FP16,
                     torch.ops.quantized.linear_prepack_fp16(module.weight.detach(), bias))
+            packed += 1
+    return packed
+
+
+# The attribute on a weight holding its GGUF blocks (`pack_gguf`).
+_GGUF_BLOCKS = "_tandem_gguf_blocks"
+# Up to this many rows a weight with GGUF blocks runs engine/cpu_quant.py's kernel; above,
+# the fp32 weight's path. On the 2-core machine, SmolLM2's 30 layers and logits (Q4_1 and
+# Q8_0 from memory, benchmarks/cpu_gemm_modes.py's step_head_ms), against fp32 packed and
+# fp16: 1 row 6.6 ms (34.3, 14.7), 8 rows 14.9 (31.3, 19.1), 16 rows 30.8 (42.3, 31.0),
+# 32 rows 62.2 (60.2, 53.9), 64 rows 125 (99.3, 106): the kernel's FMAs are the fp32
+# GEMM's, plus the widening, so once rows are many it is no faster than reading fp32.
+_GGUF_MAX_ROWS = 32
+
+
+@torch.no_grad()
+def pack_gguf(model: torch.nn.Module, logits_weight: torch.Tensor,
+              blocks: dict[str, torch.Tensor], types: dict[str, str]) -> int:
+    """Give the decoder layers' linear weights and the logits' their GGUF blocks (a fused
+    layer's parts' rows concatenated as the model concatenates its weights), from a GGUF's
+    `blocks` and matrix `types` by Hugging Face name; returns how many. The fp32 weights
+    stay for steps of many rows (prompts)."""
+    logits = next(name for name, p in model.named_parameters() if p is logits_weight)
+    setattr(logits_weight, _GGUF_BLOCKS, cpu_quant.fused(blocks, types, logits))
+    packed = 1
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in LAYERS and isinstance(module, torch.nn.Linear):
+            setattr(module.weight, _GGUF_BLOCKS,
+                    cpu_quant.fused(blocks, types, f"{name}.weight"))
             packed += 1
     return packed

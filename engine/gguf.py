@@ -1,4 +1,5 @@
-"""Read a llama.cpp GGUF file: `ModelConfig` from its metadata, HF-named fp32 weights."""
+"""Read a llama.cpp GGUF file: `ModelConfig` from its metadata, HF-named fp32 weights, and
+the blocks of its Q4_1 and Q8_0 matrices as stored (for `--cpu-weights gguf`)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ _BLOCK_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# The formats engine/cpu_quant.py multiplies from as stored; a converted GGUF keeps its
+# matrices of these types in BLOCKS_FILE, beside the fp32 weights.
+BLOCK_TYPES = ("Q4_1", "Q8_0")
+BLOCKS_FILE = "gguf_blocks.safetensors"
 
 
 def hf_name(gguf_name: str) -> str:
@@ -101,25 +106,50 @@ def gguf_model_config(reader: GGUFReader, name: str) -> ModelConfig:
     )
 
 
+def _hf_rows(w: np.ndarray, gguf_name: str, cfg: ModelConfig) -> np.ndarray:
+    """A tensor's rows (weights or their blocks, [out, ...]) in Hugging Face's order."""
+    if ".attn_q." in gguf_name:
+        return unpermute_rope(w, cfg.num_heads)
+    if ".attn_k." in gguf_name:
+        return unpermute_rope(w, cfg.num_kv_heads)
+    return w
+
+
 def gguf_weights(reader: GGUFReader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, fp32 tensor [out, in]) for every tensor, dequantised, with a progress bar."""
     for t in tqdm(reader.tensors, desc="Dequantising GGUF", unit="tensor"):
         w = dequantize(t.data, t.tensor_type)  # numpy, rows first: already HF's [out, in]
-        if ".attn_q." in t.name:
-            w = unpermute_rope(w, cfg.num_heads)
-        elif ".attn_k." in t.name:
-            w = unpermute_rope(w, cfg.num_kv_heads)
+        w = _hf_rows(w, t.name, cfg)
         yield hf_name(t.name), torch.from_numpy(np.array(w, dtype=np.float32))
 
 
+def gguf_blocks(reader: GGUFReader, cfg: ModelConfig
+                ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The blocks of the matrices whose type is in BLOCK_TYPES, as stored (uint8 [out, row
+    bytes], a row's blocks in order along `in`; q/k rows in HF order, as `gguf_weights`
+    puts the weights), and every matrix's type (ggml's name), by HF name."""
+    blocks, types = {}, {}
+    for t in reader.tensors:
+        if len(t.shape) == 2:
+            name = hf_name(t.name)
+            types[name] = t.tensor_type.name
+            if types[name] in BLOCK_TYPES:
+                # a copy: t.data is the file's bytes, mapped read-only
+                blocks[name] = torch.from_numpy(np.array(_hf_rows(t.data, t.name, cfg)))
+    return blocks, types
+
+
 def convert_gguf(path: Path, out_dir: Path, name: str) -> None:
-    """Write `path` as a Hugging Face Llama directory: config.json, model.safetensors, tokenizer."""
+    """Write `path` as a Hugging Face Llama directory: config.json, model.safetensors, tokenizer;
+    and BLOCKS_FILE, its matrices' types (the metadata) and blocks (`gguf_blocks`)."""
     from transformers import AutoTokenizer
 
     reader = GGUFReader(path)
     cfg = gguf_model_config(reader, name)
     tensors = dict(gguf_weights(reader, cfg))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    blocks, types = gguf_blocks(reader, cfg)
+    save_file(blocks, str(out_dir / BLOCKS_FILE), metadata=types)
     (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
     # transformers rebuilds the tokenizer from the GGUF vocab (seconds); saved, it loads in ~0.1 s.
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -29,7 +29,14 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import capture_graphs
 from tandem.engine.host_tier import HostTier, block_bytes
 from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.loader import load_model_config, load_tokenizer, load_weights, resolve_model
+from tandem.engine.loader import (
+    gguf_matrix_types,
+    load_gguf_blocks,
+    load_model_config,
+    load_tokenizer,
+    load_weights,
+    resolve_model,
+)
 from tandem.engine.model_runner import ModelRunner, SampledTokens, num_kv_blocks
 from tandem.engine.models import model_class
 from tandem.engine.ops import ops_for
@@ -102,11 +109,15 @@ class LLMEngine:
             fp8.quantize(model)
         if config.quantization == "fp8" and device.type == "cuda":
             fp8.quantize_logits(model)
-        self.cpu_weights = cpu_linear.weights_mode(config.cpu_weights, device, config.dtype)
+        gguf_types = gguf_matrix_types(src)
+        self.cpu_weights = cpu_linear.weights_mode(config.cpu_weights, device, config.dtype,
+                                                   gguf_types)
         if self.cpu_weights == "bf16":
             cpu_linear.pack_bf16(model, model.logits_weight)
         elif self.cpu_weights == "fp16":
             cpu_linear.pack_fp16(model, model.logits_weight)
+        elif self.cpu_weights == "gguf":
+            cpu_linear.pack_gguf(model, model.logits_weight, load_gguf_blocks(src), gguf_types)
         model.eval()
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(src)
         eos = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ())

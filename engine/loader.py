@@ -1,7 +1,8 @@
 """Resolve a model string to a source, then load its config, weights and tokenizer.
 
 GGUF files are converted once into a Hugging Face style directory under the cache dir
-(fp32 safetensors + config.json + tokenizer), so every source loads through one path.
+(fp32 safetensors + config.json + tokenizer), so every source loads through one path; the
+directory also keeps the GGUF's Q4_1 and Q8_0 blocks as stored (`load_gguf_blocks`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from tandem.engine.models import model_class
 from tandem.engine.tokenizer import Tokenizer
 
 LOAD_FORMATS = ("auto", "gguf", "hf", "dummy")
-# Bump when the conversion output changes, so stale caches are not read.
-_CACHE_VERSION = 1
+# Bump when the conversion output changes, so stale caches are not read (2: the blocks).
+_CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,28 @@ def _ignorable(name: str, cfg: ModelConfig) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (
         name == "lm_head.weight" and cfg.tie_word_embeddings
     )
+
+
+def gguf_matrix_types(src: ModelSource, cache_dir: Path | None = None) -> dict[str, str] | None:
+    """A GGUF checkpoint's matrices' types (ggml's names: "Q4_1", "F32", ...) by Hugging Face
+    name; None for any other source. Reads only the blocks file's header."""
+    if src.kind != "gguf":
+        return None
+    with safe_open(_gguf_blocks_file(src, cache_dir), framework="pt") as f:
+        return f.metadata()
+
+
+def load_gguf_blocks(src: ModelSource, cache_dir: Path | None = None) -> dict[str, torch.Tensor]:
+    """A GGUF checkpoint's Q4_1 and Q8_0 matrices as it stores them (uint8 [out, row bytes];
+    q/k rows in Hugging Face order, as `load_weights` has them), by Hugging Face name."""
+    with safe_open(_gguf_blocks_file(src, cache_dir), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def _gguf_blocks_file(src: ModelSource, cache_dir: Path | None) -> str:
+    from tandem.engine.gguf import BLOCKS_FILE
+
+    return str(hf_model_dir(src, cache_dir) / BLOCKS_FILE)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

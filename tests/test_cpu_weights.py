@@ -1,8 +1,9 @@
-"""`cpu_weights="bf16"` and `"fp16"`: an fp32 model's decoder linear layers packed as bf16
-for oneDNN, or (with the logits) as fp16 for fbgemm, on the CPU (engine/cpu_linear.py).
-Each layer computes what its rounded weights (and, for bf16, inputs) with fp32
-accumulation give; SmolLM2's greedy tokens against fp32's are reported per prompt (the 20
-prompts of the GPU test), and the chat answer still says Paris."""
+"""`cpu_weights="bf16"`, `"fp16"` and `"gguf"`: an fp32 model's decoder linear layers packed
+as bf16 for oneDNN, or (with the logits) as fp16 for fbgemm, or run from a GGUF's own
+blocks (engine/cpu_quant.py, whose kernel tests/test_cpu_quant.py checks), on the CPU
+(engine/cpu_linear.py). Each layer computes what its rounded weights (and, for bf16,
+inputs) with fp32 accumulation give; SmolLM2's greedy tokens against fp32's are reported
+per prompt (the 20 prompts of the GPU test), and the chat answer still says Paris."""
 
 from __future__ import annotations
 
@@ -11,18 +12,22 @@ import torch
 from prompts import CHAT, LONG_CHAT, LONG_RAW, RAW
 
 from tandem import LLM, SamplingParams
-from tandem.engine import cpu_linear
+from tandem.engine import cpu_linear, cpu_quant
 from tandem.engine.config import EngineConfig
+from tandem.engine.loader import ModelSource, gguf_matrix_types
 
 
-def _cpu_weights(config: EngineConfig, device: torch.device) -> str:
-    return cpu_linear.weights_mode(config.cpu_weights, device, config.dtype)
+def _cpu_weights(config: EngineConfig, device: torch.device,
+                 gguf_types: dict[str, str] | None = None) -> str:
+    return cpu_linear.weights_mode(config.cpu_weights, device, config.dtype, gguf_types)
 
 
 needs_bf16 = pytest.mark.skipif(not cpu_linear.has_bf16_packing(),
                                 reason="needs oneDNN's bf16 weights (AVX-512 or AVX-NE-CONVERT)")
 needs_fp16 = pytest.mark.skipif(not cpu_linear.has_fp16_gemm(),
                                 reason="needs fbgemm's fp16 GEMM (x86 with AVX2)")
+needs_gguf_kernel = pytest.mark.skipif(cpu_quant.missing() is not None,
+                                       reason=f"engine/cpu_quant.py {cpu_quant.missing()}")
 
 
 @needs_bf16
@@ -105,6 +110,26 @@ def test_auto_picks_fp16_or_bf16_only_for_an_fp32_model_on_the_cpu() -> None:
         EngineConfig("tiny", cpu_weights="int3")
 
 
+@needs_gguf_kernel
+def test_auto_picks_gguf_for_a_gguf_checkpoint_in_fp32_on_the_cpu(
+        smollm2_source: ModelSource) -> None:
+    """SmolLM2's GGUF (Q4_1 layers, a Q8_0 embedding) runs from its blocks under auto; a
+    checkpoint that is no GGUF is refused gguf by name, and auto passes it over."""
+    types = gguf_matrix_types(smollm2_source)
+    auto = EngineConfig("tiny", cpu_weights="auto")
+    assert _cpu_weights(auto, torch.device("cpu"), types) == "gguf"
+    assert _cpu_weights(auto, torch.device("cuda"), types) == "fp32"
+    assert _cpu_weights(EngineConfig("tiny", cpu_weights="gguf"), torch.device("cpu"),
+                        types) == "gguf"
+    assert _cpu_weights(auto, torch.device("cpu")) != "gguf"
+    with pytest.raises(ValueError, match="cpu_weights='gguf' is for a GGUF checkpoint; "
+                                         "choose fp16 or fp32"):
+        _cpu_weights(EngineConfig("tiny", cpu_weights="gguf"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="cpu_weights='gguf' is for an fp32 model on"):
+        _cpu_weights(EngineConfig("tiny", dtype=torch.bfloat16, cpu_weights="gguf"),
+                     torch.device("cpu"), types)
+
+
 @pytest.mark.parametrize("mode,runs_here", [("bf16", cpu_linear.has_bf16_packing),
                                              ("fp16", cpu_linear.has_fp16_gemm)])
 def test_a_mode_this_cpu_cannot_run_is_refused_by_name(mode: str, runs_here) -> None:  # noqa: ANN001
@@ -122,12 +147,13 @@ def test_a_mode_this_cpu_cannot_run_is_refused_by_name(mode: str, runs_here) -> 
 @pytest.mark.parametrize("mode", [
     pytest.param("bf16", marks=needs_bf16),
     pytest.param("fp16", marks=needs_fp16),
+    pytest.param("gguf", marks=needs_gguf_kernel),
 ])
 def test_smollm2_agrees_with_fp32_and_still_says_paris(offline, mode: str) -> None:  # noqa: ANN001
     """The 20 prompts of the GPU test, 32 greedy tokens each: how many lead tokens `mode`
-    shares with fp32, per prompt (printed); most prompts agree for a good while (fp16,
-    whose activations stay fp32: 20 of 20 for all 32 on the 2-core machine), and the
-    capital of France is still Paris."""
+    shares with fp32, per prompt (printed); most prompts agree for a good while (fp16 and
+    gguf, whose activations stay fp32: 20 of 20 for all 32 on the 2-core machine; gguf's
+    decode steps of 20 rows run its kernel), and the capital of France is still Paris."""
     half = LLM("smollm2-135m-instruct", num_kv_blocks=1024, cpu_weights=mode)
     tok = half.get_tokenizer()
     prompts = ([tok.apply_chat_template([{"role": "user", "content": c}])
@@ -138,6 +164,7 @@ def test_smollm2_agrees_with_fp32_and_still_says_paris(offline, mode: str) -> No
     lead = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
             for g, w in zip(got, want)]
     print(f"{mode} against fp32, equal lead tokens of 32 per prompt: {lead}")
-    assert sum(n == 32 for n in lead) >= len(prompts) * {"bf16": 1 / 2, "fp16": 3 / 4}[mode], lead
+    share = {"bf16": 1 / 2, "fp16": 3 / 4, "gguf": 3 / 4}[mode]
+    assert sum(n == 32 for n in lead) >= len(prompts) * share, lead
     answer = half.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=24))
     assert "Paris" in answer[0].text
