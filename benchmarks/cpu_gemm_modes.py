@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tandem.engine import cpu_quant
+from tandem.engine import cpu_build, cpu_quant
 from tandem.engine.config import NAMED_SHAPES
 
 GROUP = 32  # int4's group of input columns per scale
@@ -104,7 +104,7 @@ def _gguf(w: torch.Tensor, kind: str) -> Gemm:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    if why := cpu_quant.unavailable():
+    if why := cpu_build.unavailable():
         raise RuntimeError(f"engine/cpu_quant.py {why}")
     blocks = quantize(w.numpy(), GGMLQuantizationType[kind])
     quant = cpu_quant.Blocks(cpu_quant.KINDS[kind], torch.from_numpy(blocks))

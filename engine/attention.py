@@ -77,13 +77,15 @@ def default_backend(device: torch.device) -> str:
 
 
 def make_backend(
-    name: str | None, device: torch.device, block_size: int, num_kv_heads: int
+    name: str | None, device: torch.device, block_size: int, num_kv_heads: int,
+    fused: bool = False,
 ) -> AttentionBackend:
+    """`fused`: the torch backend's decode steps in C++ (engine/cpu_ops.py `fused_for`)."""
     name = name or default_backend(device)
     if name == "torch":
         from tandem.engine.attention_torch import TorchAttention
 
-        return TorchAttention(block_size)
+        return TorchAttention(block_size, fused)
     if name == "triton":
         if importlib.util.find_spec("triton") is None:
             raise ValueError("attention_backend='triton' needs the triton package")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm import tqdm
 
-from tandem.engine import cpu_linear, fp8
+from tandem.engine import cpu_linear, cpu_ops, fp8
 from tandem.engine.attention import make_backend
 from tandem.engine.block_hash import root_hash
 from tandem.engine.block_pool import BlockPool, EventHook
@@ -91,13 +91,17 @@ class LLMEngine:
         self.device = device = _resolve_device(config.device)
         bind_thread(device)  # this thread captures graphs and may step the engine
         torch.manual_seed(config.seed)
-        backend = config.attention_backend
-        attention = make_backend(backend, device, config.cache.block_size, mc.num_kv_heads)
+        gguf_types = gguf_matrix_types(src)
+        self.cpu_weights = cpu_linear.weights_mode(config.cpu_weights, device, config.dtype,
+                                                   gguf_types)
+        fused = cpu_ops.fused_for(self.cpu_weights)
+        attention = make_backend(config.attention_backend, device, config.cache.block_size,
+                                 mc.num_kv_heads, fused)
         self.attention_backend = attention.name
         # Built in its dtype: built in fp32 and cast, it held twice its bf16 weights at
         # once, and nodes loading side by side on one device ran out of memory.
         with torch.device(device), _default_dtype(config.dtype):
-            ops = ops_for(attention.name, device)
+            ops = ops_for(attention.name, device, fused)
             model = model_class(mc.architecture)(mc, attention, ops).to(config.dtype)
         if mc.quantization == "fp8":  # its FP8 weights load into FP8 layers as they are
             fp8.convert(model)
@@ -109,9 +113,6 @@ class LLMEngine:
             fp8.quantize(model)
         if config.quantization == "fp8" and device.type == "cuda":
             fp8.quantize_logits(model)
-        gguf_types = gguf_matrix_types(src)
-        self.cpu_weights = cpu_linear.weights_mode(config.cpu_weights, device, config.dtype,
-                                                   gguf_types)
         if self.cpu_weights == "bf16":
             cpu_linear.pack_bf16(model, model.logits_weight)
         elif self.cpu_weights == "fp16":

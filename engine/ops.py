@@ -1,6 +1,8 @@
 """The model's pointwise kernels, chosen once with the attention backend: Triton fusions
 on CUDA (RMSNorm + residual add, RoPE in place, SiLU·mul), their torch references
-elsewhere. Each pair computes the same thing (kernels/*.py, tests/test_kernels_small.py)."""
+elsewhere. Each pair computes the same thing (kernels/*.py, tests/test_kernels_small.py).
+On the CPU an engine whose weights are not fp32 runs C++ fusions of the same
+(engine/cpu_ops.py `fused_for`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine import cpu_linear as cpu_linear_mod
+from tandem.engine import cpu_ops
 from tandem.engine.fp8 import Fp8Linear
 from tandem.kernels import rms_norm, rope, silu_mul
 
@@ -54,10 +57,15 @@ class Ops:
 TORCH_OPS = Ops(rms_norm.rms_norm_ref, rope.apply_rope_ref_, silu_mul.silu_mul_ref)
 CPU_OPS = Ops(rms_norm.rms_norm_ref, rope.apply_rope_ref_, silu_mul.silu_mul_ref,
               cpu_linear, cpu_linear_mod.linear)
+CPU_FUSED_OPS = Ops(cpu_ops.rms_norm, cpu_ops.apply_rope_, cpu_ops.silu_mul, cpu_linear,
+                    cpu_linear_mod.linear)
 TRITON_OPS = Ops(rms_norm.rms_norm, rope.apply_rope_, silu_mul.silu_mul)
 
 
-def ops_for(backend: str, device: torch.device) -> Ops:
+def ops_for(backend: str, device: torch.device, fused: bool = False) -> Ops:
+    """`fused`: the CPU's C++ fusions (cpu_ops.fused_for said so)."""
     if backend == "triton":
         return TRITON_OPS
-    return CPU_OPS if device.type == "cpu" else TORCH_OPS
+    if device.type != "cpu":
+        return TORCH_OPS
+    return CPU_FUSED_OPS if fused else CPU_OPS

@@ -11,10 +11,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from tandem import LLM
-from tandem.engine import cpu_linear, cpu_quant
+from tandem.engine import cpu_build, cpu_linear, cpu_quant
 
-pytestmark = pytest.mark.skipif(cpu_quant.missing() is not None,
-                                reason=f"engine/cpu_quant.py {cpu_quant.missing()}")
+pytestmark = pytest.mark.skipif(cpu_build.missing() is not None,
+                                reason=f"engine/cpu_build.py {cpu_build.missing()}")
 
 
 def _blocks(n: int, k: int, kind: str, seed: int) -> tuple[cpu_quant.Blocks, torch.Tensor]:

@@ -12,9 +12,10 @@ import torch
 from prompts import CHAT, LONG_CHAT, LONG_RAW, RAW
 
 from tandem import LLM, SamplingParams
-from tandem.engine import cpu_linear, cpu_quant
+from tandem.engine import cpu_build, cpu_linear
 from tandem.engine.config import EngineConfig
 from tandem.engine.loader import ModelSource, gguf_matrix_types
+from tandem.engine.ops import CPU_FUSED_OPS, CPU_OPS
 
 
 def _cpu_weights(config: EngineConfig, device: torch.device,
@@ -26,8 +27,8 @@ needs_bf16 = pytest.mark.skipif(not cpu_linear.has_bf16_packing(),
                                 reason="needs oneDNN's bf16 weights (AVX-512 or AVX-NE-CONVERT)")
 needs_fp16 = pytest.mark.skipif(not cpu_linear.has_fp16_gemm(),
                                 reason="needs fbgemm's fp16 GEMM (x86 with AVX2)")
-needs_gguf_kernel = pytest.mark.skipif(cpu_quant.missing() is not None,
-                                       reason=f"engine/cpu_quant.py {cpu_quant.missing()}")
+needs_gguf_kernel = pytest.mark.skipif(cpu_build.missing() is not None,
+                                       reason=f"engine/cpu_build.py {cpu_build.missing()}")
 
 
 @needs_bf16
@@ -153,8 +154,11 @@ def test_smollm2_agrees_with_fp32_and_still_says_paris(offline, mode: str) -> No
     """The 20 prompts of the GPU test, 32 greedy tokens each: how many lead tokens `mode`
     shares with fp32, per prompt (printed); most prompts agree for a good while (fp16 and
     gguf, whose activations stay fp32: 20 of 20 for all 32 on the 2-core machine; gguf's
-    decode steps of 20 rows run its kernel), and the capital of France is still Paris."""
+    decode steps of 20 rows run its kernel), and the capital of France is still Paris.
+    `mode` runs the fused C++ ops (engine/cpu_ops.py) where fp32 keeps the references."""
     half = LLM("smollm2-135m-instruct", num_kv_blocks=1024, cpu_weights=mode)
+    assert half.engine.runner.model.ops is CPU_FUSED_OPS and half.engine.runner.attention.fused
+    assert offline.engine.runner.model.ops is CPU_OPS and not offline.engine.runner.attention.fused
     tok = half.get_tokenizer()
     prompts = ([tok.apply_chat_template([{"role": "user", "content": c}])
                 for c in CHAT + [LONG_CHAT]] + [tok.encode(r) for r in RAW + [LONG_RAW]])

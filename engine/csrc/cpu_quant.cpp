@@ -7,9 +7,7 @@
 // the fp32 weights' up to summation order, while a step reads 20 bytes (Q4_1) or 34 (Q8_0)
 // per 32 weights instead of 128.
 //
-// Built by engine/cpu_quant.py with -mavx512f or -mavx2 (one ISA per build, named in the
-// library's name), and -fopenmp so that at::parallel_for runs on torch's own OpenMP
-// threads (the GOMP symbols resolve to the libgomp torch has loaded; none is linked here).
+// Built by engine/cpu_build.py (cpu_vec.h: the ISA), on torch's own OpenMP threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -20,7 +18,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_vec.h"
+
 namespace {
+
+using namespace tandem_cpu;
 
 constexpr int kBlock = 32;  // weights a block
 constexpr int64_t kQ4_1 = 3, kQ8_0 = 8;  // ggml's type ids (gguf.GGMLQuantizationType)
@@ -57,13 +59,6 @@ constexpr int kTileOutputs = 4;
 constexpr int64_t kPrefetchTiles = 4;
 
 #if defined(__AVX512F__)
-using vec = __m512;
-constexpr int kLanes = 16;
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
-
 // The block's 16 possible weights, d * code + m for code 0..15, then each weight looked up
 // by its code: vpermps reads the low 4 bits of an index lane, the low nibble as it is.
 inline void widen_q4_1(const uint8_t* b, vec w[2]) {
@@ -83,18 +78,7 @@ inline void widen_q8_0(const uint8_t* b, vec w[2]) {
     w[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
   }
 }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-using vec = __m256;
-constexpr int kLanes = 8;
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
+#else  // AVX2, FMA and F16C (cpu_vec.h)
 inline void widen_q4_1(const uint8_t* b, vec w[4]) {
   const vec d = _mm256_set1_ps(_cvtsh_ss(load_u16(b)));
   const vec m = _mm256_set1_ps(_cvtsh_ss(load_u16(b + 2)));
@@ -116,8 +100,6 @@ inline void widen_q8_0(const uint8_t* b, vec w[4]) {
     w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
   }
 }
-#else
-#error "cpu_quant.cpp needs AVX-512F, or AVX2 with FMA and F16C"
 #endif
 
 constexpr int kVecs = kBlock / kLanes;

@@ -94,8 +94,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t, hd = x.shape[0], self.head_dim
         qkv = self.ops.linear(x, self.qkv_proj)  # [T, (Hq + 2 Hkv) * hd]
-        q, k, v = qkv.split([self.num_heads * hd, self.num_kv_heads * hd,
-                             self.num_kv_heads * hd], dim=-1)
+        # split_with_sizes, not Tensor.split, whose Python wrapper costs 1.7 us more (3.8
+        # against 2.1) of the ~39 us of Python a CPU decode step spends on a layer.
+        q, k, v = qkv.split_with_sizes([self.num_heads * hd, self.num_kv_heads * hd,
+                                        self.num_kv_heads * hd], dim=-1)
         q, k = self.norm_qk(q.view(t, -1, hd), k.view(t, -1, hd))
         v = v.view(t, -1, hd)
         self.ops.apply_rope_(q, k, positions, cos_sin)
