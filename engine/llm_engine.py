@@ -41,8 +41,8 @@ from tandem.engine.model_runner import ModelRunner, SampledTokens, num_kv_blocks
 from tandem.engine.models import model_class
 from tandem.engine.ops import ops_for
 from tandem.engine.outputs import RequestOutput
-from tandem.engine.request import PENDING_TOKEN, Request, RequestStatus
-from tandem.engine.sampler import Sampler, SamplerOutput, on_device
+from tandem.engine.request import FINISHED, PENDING_TOKEN, Request, RequestStatus
+from tandem.engine.sampler import Sampler, SamplerOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.tokenizer import IncrementalDetokenizer, find_stop_string
@@ -357,7 +357,7 @@ class LLMEngine:
         sampling = batch.sampling_requests()  # before postprocess advances the counts
         if (self.async_scheduling and batch.requests
                 and (on_layer is None or not self.prefill_layerwise)
-                and all(on_device(r) for r in sampling)):
+                and all(r.params.device_sampled for r in sampling)):
             return self._step_ahead(batch, sampling, on_layer)
         outputs = self._land()
         if outputs:  # requests that stopped at the landed step leave this one
@@ -393,18 +393,21 @@ class LLMEngine:
         launched, self._launched = self._launched, None
         if launched is None:
             return []
-        outputs = []
         tokens = launched.tokens.result()
         self._timed(launched.prompt_tokens, launched.began)
+        outputs = []
         for req, token in zip(launched.requests, tokens):
-            if req.is_finished:
+            if req.status in FINISHED:
                 continue  # aborted, or stopped, since the launch
             out = req.output_token_ids
-            ahead = len(out) > 1 and out[-2] == PENDING_TOKEN  # a later step sampled too
-            del out[-2 if ahead else -1 :]
-            outputs += self._append([req], SamplerOutput([token], [None]))
-            if ahead and not req.is_finished:
-                out.append(PENDING_TOKEN)
+            if len(out) > 1 and out[-2] == PENDING_TOKEN:  # a later step sampled too
+                del out[-2:]
+                outputs.append(self._append_one(req, token, None))
+                if req.status not in FINISHED:
+                    out.append(PENDING_TOKEN)
+            else:
+                del out[-1:]
+                outputs.append(self._append_one(req, token, None))
         return outputs
 
     def _count_prompt_tokens(self, batch: ScheduledBatch) -> int:
@@ -447,28 +450,30 @@ class LLMEngine:
         return each
 
     def _append(self, reqs: list[Request], sampled: SamplerOutput) -> list[RequestOutput]:
-        outputs = []
-        for req, token, logprobs in zip(reqs, sampled.token_ids, sampled.logprobs):
-            req.output_token_ids.append(token)
-            self.num_generation_tokens += 1
-            if logprobs is not None:
-                req.output_logprobs.append(logprobs)
-            new_text = self._detokenize(req, token)
-            status = self._check_stop(req, token, new_text)
+        return [self._append_one(req, token, logprobs) for req, token, logprobs
+                in zip(reqs, sampled.token_ids, sampled.logprobs)]
+
+    def _append_one(self, req: Request, token: int,
+                    logprobs: dict[int, float] | None) -> RequestOutput:
+        """A sampled token joins its request: its text, its stop checks, its output.
+        Runs for every request at every step, so it calls little."""
+        req.output_token_ids.append(token)
+        self.num_generation_tokens += 1
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs)
+        detok = self._detok.get(req.request_id)
+        new_text = ""
+        if detok is not None:
+            new_text = detok.add(token)
+            req.output_text += new_text
+        status = self._check_stop(req, token, new_text)
+        if status is not None:
             if status is RequestStatus.FINISHED_LENGTH:
                 self._flush_text(req)  # a character cut off mid-way by the limit
-            if status is not None:
-                self._finish(req, status)
-            outputs.append(RequestOutput.of(req, _stream_delta(req)))
-        return outputs
-
-    def _detokenize(self, req: Request, token: int) -> str:
-        detok = self._detok.get(req.request_id)
-        if detok is None:
-            return ""
-        delta = detok.add(token)
-        req.output_text += delta
-        return delta
+            self._finish(req, status)
+        delta = (_stream_delta(req) if len(req.output_text) > req.num_text_streamed
+                 else "")
+        return RequestOutput.of(req, delta)
 
     def _flush_text(self, req: Request) -> None:
         detok = self._detok.get(req.request_id)
@@ -477,7 +482,8 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, token: int, delta: str) -> RequestStatus | None:
         p = req.params
-        if req.num_output_tokens >= p.min_tokens:
+        num_output = len(req.output_token_ids)
+        if num_output >= p.min_tokens:
             if token in p.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
@@ -493,9 +499,9 @@ class LLMEngine:
                     )
                     req.output_text = req.output_text[:cut]
                     return RequestStatus.FINISHED_STOPPED
-        if p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+        if p.max_tokens is not None and num_output >= p.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.max_model_len:
+        if len(req.prompt_token_ids) + num_output >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -185,6 +185,7 @@ class ModelRunner:
         self.buffer = self.host if self.device.type == "cpu" else torch.zeros(cap, **i32)
         # The last upload has left the host buffer (set on CUDA after each copy).
         self._uploaded: torch.cuda.Event | None = None
+        self._views: dict[StepLayout, dict[str, torch.Tensor]] = {}  # by layout, of buffer
         # cuda_graphs.DecodeGraphs and PrefillGraphs, set by capture_graphs.
         self.graphs = None
         self.prefill_graphs = None
@@ -338,16 +339,23 @@ class ModelRunner:
         logits_rows: list[int] = []
         updates: list[tuple[int, int]] = []
         carries: list[tuple[int, int]] = []  # (index in ids, row in the last launch)
+        known, sampled_rows = self._rows, self._sampled_rows
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
-            rows.append(self._row(req, updates))
             blocks = req.block_ids
+            row = known.get(req.request_id)
+            if (row is not None and row.num_synced == len(blocks)
+                    and row.num_preemptions == req.num_preemptions
+                    and row.num_nulled >= req.num_released_blocks):
+                rows.append(row.index)  # a decode's row, its table entries all written
+            else:
+                rows.append(self._row(req, updates))
+            prompt_len = len(req.prompt_token_ids)
             if n == 1:
-                prompt_len = len(req.prompt_token_ids)
                 token = (req.prompt_token_ids[start] if start < prompt_len
                          else req.output_token_ids[start - prompt_len])
                 if token == PENDING_TOKEN:
-                    carries.append((len(ids), self._sampled_rows[req.request_id]))
+                    carries.append((len(ids), sampled_rows[req.request_id]))
                     token = 0
                 ids.append(token)
                 pos.append(start)
@@ -358,10 +366,11 @@ class ModelRunner:
                 assert ids[-1] != PENDING_TOKEN, "a prefill reads a pending token"
                 pos += range(start, start + n)
                 slots += (np.asarray(blocks)[p // bs] * bs + p % bs).tolist()
+            end = query_start[-1] + n
             seq_lens.append(start + n)
-            query_start.append(query_start[-1] + n)
-            if start + n == req.num_tokens:
-                logits_rows.append(query_start[-1] - 1)
+            query_start.append(end)
+            if start + n == prompt_len + len(req.output_token_ids):
+                logits_rows.append(end - 1)
         max_seq_len = max(seq_lens)
         for _ in range(pad_to - len(rows)):
             ids.append(0)
@@ -410,7 +419,12 @@ class ModelRunner:
             if self._uploaded is None:
                 self._uploaded = torch.cuda.Event()
             self._uploaded.record()
-        views = {name: self.buffer[a:b] for name, (a, b) in layout.offsets.items()}
+        views = self._views.get(layout)
+        if views is None:  # a decode step's layout repeats: its views are made once
+            if len(self._views) >= 1024:
+                self._views.clear()
+            views = self._views[layout] = {name: self.buffer[a:b]
+                                           for name, (a, b) in layout.offsets.items()}
         if layout.num_updates:
             self.table.view(-1)[views["update_at"]] = views["update_to"]
         if layout.num_carries:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.engine.request import Request
+from tandem.engine.request import FINISHED, Request
 
 
 # Not frozen: one is made per request per step, and a frozen init costs twice as much.
@@ -29,14 +29,10 @@ class RequestOutput:
 
     @classmethod
     def of(cls, req: Request, delta: str = "") -> RequestOutput:
-        return cls(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            text=req.output_text,
-            token_ids=list(req.output_token_ids),
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
-            num_cached_tokens=req.num_cached_tokens,
-            delta=delta,
-        )
+        # Positional, and the request's fields read directly: one per request per step.
+        status = req.status
+        return cls(req.request_id, req.prompt_token_ids, req.output_text,
+                   list(req.output_token_ids),
+                   status.value if status in FINISHED else None, req.stop_reason,
+                   list(req.output_logprobs) if req.params.logprobs is not None else None,
+                   req.num_cached_tokens, delta)

@@ -29,11 +29,12 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+        return self in FINISHED
+
+
+# For the loops over every request of a step: `status in FINISHED` costs no call.
+FINISHED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED)
 
 
 @dataclass(eq=False)
@@ -97,8 +98,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in FINISHED
 
     @property
     def finish_reason(self) -> str | None:
-        return self.status.value if self.is_finished else None
+        return self.status.value if self.status in FINISHED else None

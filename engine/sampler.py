@@ -50,7 +50,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """The token ids, left on the logits' device: for requests that all sample
-        `on_device`, so nothing here waits for the GPU."""
+        `device_sampled` (their params), so nothing here waits for the GPU."""
         assert logits.dim() == 2 and logits.shape[0] == len(requests), logits.shape
         if all(_plain_greedy(r) for r in requests):
             return logits.argmax(dim=-1)
@@ -80,25 +80,13 @@ class Sampler:
             logits[rows, cols] = -torch.inf
 
 
-def on_device(req: Request) -> bool:
-    """The request's next token can be drawn without the host knowing its newest token
-    or reading anything back: no penalties (they count the output) and no logprobs."""
-    p = req.params
-    return p.logprobs is None and not _has_penalty(p)
-
-
 def _plain_greedy(req: Request) -> bool:
     p = req.params
-    return (p.is_greedy and p.logprobs is None and not _has_penalty(p)
-            and len(req.output_token_ids) >= p.min_tokens)
-
-
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    return p.greedy_on_device and len(req.output_token_ids) >= p.min_tokens
 
 
 def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
-    rows = [i for i, r in enumerate(requests) if _has_penalty(r.params)]
+    rows = [i for i, r in enumerate(requests) if r.params.has_penalty]
     if not rows:
         return
     reqs = [requests[i] for i in rows]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -91,6 +92,24 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS or self.top_k == 1
+
+    # Asked of every request at every step: computed once (the params are frozen).
+    @functools.cached_property
+    def device_sampled(self) -> bool:
+        """A request's next token can be drawn without the host knowing its newest token
+        or reading anything back: no penalties (they count the output), no logprobs."""
+        return self.logprobs is None and not self.has_penalty
+
+    @functools.cached_property
+    def has_penalty(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @functools.cached_property
+    def greedy_on_device(self) -> bool:
+        """Greedy and `device_sampled`: its token is the logits' argmax (once min_tokens
+        is reached)."""
+        return self.is_greedy and self.device_sampled
 
 
 def _int(name: str, value: object) -> int:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.request import Request, RequestStatus
+from tandem.engine.request import FINISHED, Request, RequestStatus
 
 
 @dataclass
@@ -33,7 +33,8 @@ class ScheduledBatch:
 
     def sampling_requests(self) -> list[Request]:
         return [r for r, n in zip(self.requests, self.num_new_tokens)
-                if r.num_computed_tokens + n == r.num_tokens]
+                if r.num_computed_tokens + n
+                == len(r.prompt_token_ids) + len(r.output_token_ids)]
 
 
 class Scheduler:
@@ -69,36 +70,44 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
         preemptions_before = self.num_preemptions
-        for req in list(self.running):
+        kv, running, max_len = self.kv, RequestStatus.RUNNING, self.config.max_model_len
+        for req in list(self.running):  # inline: every running request, every step
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # preempted earlier in this loop
-            if self._at_length_limit(req):
+            num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+            max_tokens = req.params.max_tokens
+            if ((max_tokens is not None and len(req.output_token_ids) >= max_tokens)
+                    or num_tokens >= max_len):
                 continue  # its last token is still pending on the device (async scheduling)
-            self.kv.release_behind(req)
-            num_new = min(req.num_uncomputed_tokens, budget)
-            while not self.kv.allocate(req, num_new):
-                victim = self.running[-1]
-                if victim.request_id in scheduled:
-                    break  # nothing left to preempt but requests already in the batch
-                self._preempt(victim)
-                if victim is req:
-                    break
-            else:
-                batch.requests.append(req)
-                batch.num_new_tokens.append(num_new)
-                scheduled.add(req.request_id)
-                budget -= num_new
+            if kv.window:
+                kv.release_behind(req)
+            num_new = min(num_tokens - req.num_computed_tokens, budget)
+            if (req.num_computed_tokens + num_new > len(req.block_ids) * kv.block_size
+                    and not self._make_room(req, num_new, scheduled)):
+                continue  # most steps of a decode: its last block has room
+            batch.requests.append(req)
+            batch.num_new_tokens.append(num_new)
+            scheduled.add(req.request_id)
+            budget -= num_new
         # Admitting while preempting would only thrash: the victims go first next step.
         if self.num_preemptions == preemptions_before:
             self._admit(batch, budget)
         return batch
 
-    def _at_length_limit(self, req: Request) -> bool:
-        max_tokens = req.params.max_tokens
-        return ((max_tokens is not None and req.num_output_tokens >= max_tokens)
-                or req.num_tokens >= self.config.max_model_len)
+    def _make_room(self, req: Request, num_new: int, scheduled: set[str]) -> bool:
+        """Blocks for `req`'s next `num_new` tokens, preempting the newest running
+        requests not yet in this step's batch while blocks run out (`req` itself too, if
+        it is the newest). False if it got none."""
+        while not self.kv.allocate(req, num_new):
+            victim = self.running[-1]
+            if victim.request_id in scheduled:
+                return False  # nothing left to preempt but requests already in the batch
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -125,11 +134,13 @@ class Scheduler:
 
     def postprocess(self, batch: ScheduledBatch) -> None:
         """Advance computed counts and cache newly full blocks (before tokens append)."""
+        caching = self.kv.enable_prefix_caching
         for req, n in zip(batch.requests, batch.num_new_tokens):
-            if req.is_finished:
+            if req.status in FINISHED:
                 continue  # ended (async scheduling) before this step was postprocessed
             req.num_computed_tokens += n
-            self.kv.cache_computed_blocks(req)
+            if caching:
+                self.kv.cache_computed_blocks(req)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
