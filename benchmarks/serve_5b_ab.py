@@ -1,0 +1,118 @@
+"""Issue 24's 5b burst, offline and served, for whichever tree is on the path: run it
+for two trees in turn on one machine to compare them (these hosts' speed drifts by
+1.5x within minutes, so only alternating passes compare).
+
+1. An offline process steps `LLMEngine` directly over 256 prompts of 128 -> 256 (SmolLM2
+   shape, dummy bf16, `--max-num-seqs 128`), `--offline-bursts` times.
+2. `tandem up --colocated 1`, then 1P1D `--connector ipc`: a warm-up of 16 prompts, then
+   `tandem bench serve` bursts of the same shape at rate inf.
+3. The offline process again.
+
+    ln -sfn $PWD /tmp/site/tandem && python benchmarks/serve_5b_ab.py new out_new.json
+    ln -sfn $PWD/.old /tmp/site/tandem && \
+        (cd .old && python ../benchmarks/serve_5b_ab.py old out_old.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+COMMON = ["--model", "smollm2-135m", "--device", "cuda", "--dtype", "bfloat16",
+          "--load-format", "dummy", "--max-num-seqs", "128", "--no-prefix-caching"]
+OFFLINE = r'''
+import argparse, json, sys
+sys.path.insert(0, "benchmarks")
+from engine_loop import Burst, direct
+args = argparse.Namespace(model="smollm2-135m", load_format="dummy", device="cuda",
+    dtype="bfloat16", num_prompts=256, input_len=128, output_len=256, max_num_seqs=128)
+b = Burst(args)
+direct(b)
+print(json.dumps([b.tokens / direct(b) for _ in range(int(sys.argv[1]))]))
+'''
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("label", help="the tree's name in the output")
+    p.add_argument("json", type=Path, help="write the figures here")
+    p.add_argument("--offline-bursts", type=int, default=4, help="(default: %(default)s)")
+    p.add_argument("--served-bursts", type=int, default=3, help="(default: %(default)s)")
+    p.add_argument("--port", type=int, default=8390, help="(default: %(default)s)")
+    return p.parse_args()
+
+
+def offline(bursts: int) -> list[float]:
+    done = subprocess.run([sys.executable, "-c", OFFLINE, str(bursts)], capture_output=True,
+                          text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def wait_up(url: str, up: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and up.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                health = json.loads(r.read())
+                if health["status"] == "ok" and all(health["nodes"].values()):
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("tandem up did not come up")
+
+
+def served(flags: list[str], bursts: int, port: int) -> list[dict[str, float]]:
+    url = f"http://127.0.0.1:{port}"
+    up = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", "--port", str(port),
+                           *COMMON, "--skip-tokenizer-init", *flags],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                          start_new_session=True)
+    try:
+        wait_up(url, up)
+        rows = []
+        for i in range(bursts + 1):  # the first: a warm-up of 16
+            result = Path(f"/tmp/serve_5b_ab_{os.getpid()}.json")
+            subprocess.run([sys.executable, "-m", "tandem.cli", "bench", "serve",
+                            "--base-url", url, "--num-prompts", "256" if i else "16",
+                            "--random-input-len", "128", "--random-output-len", "256",
+                            "--seed", str(i), "--save-result", "--result-dir",
+                            str(result.parent), "--result-filename", result.name,
+                            "--disable-tqdm"], check=True, capture_output=True)
+            res = json.loads(result.read_text())
+            result.unlink()
+            if i:
+                rows.append({"tok_s": res["output_throughput"], "completed": res["completed"],
+                             "median_ttft_ms": res["median_ttft_ms"]})
+        return rows
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        up.wait(timeout=60)
+
+
+def main() -> None:
+    args = parse_args()
+    result: dict[str, object] = {"label": args.label,
+                                 "offline_tok_s": offline(args.offline_bursts)}
+    print(args.label, "offline", [round(x) for x in result["offline_tok_s"]], flush=True)
+    for name, flags in (("colocated", ["--colocated", "1"]),
+                        ("1p1d_ipc", ["--connector", "ipc"])):
+        rows = served(flags, args.served_bursts, args.port)
+        result[name] = rows
+        print(args.label, name, [round(r["tok_s"]) for r in rows], "ttft",
+              [round(r["median_ttft_ms"]) for r in rows], flush=True)
+    result["offline_after_tok_s"] = offline(max(1, args.offline_bursts - 1))
+    print(args.label, "offline after", [round(x) for x in result["offline_after_tok_s"]],
+          flush=True)
+    args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
