@@ -11,7 +11,7 @@ steps while requests are unfinished and hands each request's outputs to its list
 A listener runs on the loop thread and must not block. `add_stage(fn)` has the loop run
 `fn(engine)` after each round of calls and before each step: a role's queue that waits
 for the engine's blocks moves there (the decode role's prealloc queue). `add_flush(fn)`
-has it run `fn()` once the outputs of a step (or of a round of calls) are delivered:
+has it run `fn(idle)` once the outputs of a step (or of a round of calls) are delivered:
 listeners that gather a step's outputs send them there, in one message.
 
 If a step raises (a bug), every unfinished request is aborted and its listener gets the
@@ -67,7 +67,7 @@ class EngineLoop:
             queue.SimpleQueue())
         self._listeners: dict[str, Listener] = {}
         self._stages: list[Callable[[LLMEngine], None]] = []
-        self._flushes: list[Callable[[], None]] = []
+        self._flushes: list[Callable[[bool], None]] = []
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._stopped = threading.Event()  # run() has returned
@@ -99,8 +99,9 @@ class EngineLoop:
         wake-up); it must not block, and what it raises is logged."""
         self._stages.append(fn)
 
-    def add_flush(self, fn: Callable[[], None]) -> None:
-        """Run `fn()` on the loop thread after every step and every round of calls; it
+    def add_flush(self, fn: Callable[[bool], None]) -> None:
+        """Run `fn(idle)` on the loop thread after every step and every round of calls;
+        `idle`: the engine has nothing left to step, so what `fn` holds must go now. It
         must not block, and what it raises is logged."""
         self._flushes.append(fn)
 
@@ -203,9 +204,10 @@ class EngineLoop:
                 log.exception("engine loop stage %s failed", stage)
 
     def _run_flushes(self) -> None:
+        idle = not self.engine.has_unfinished
         for flush in self._flushes:
             try:
-                flush()
+                flush(idle)
             except Exception:  # noqa: BLE001 - as a stage's
                 log.exception("engine loop flush %s failed", flush)
 

@@ -37,7 +37,8 @@ def run_node(args: argparse.Namespace) -> int:
                            engine_thread=False, secret=token,
                            transfer_port=args.transfer_port,
                            advertise_host=args.advertise_host,
-                           max_requests=args.max_requests, send_columns=send_columns)
+                           max_requests=args.max_requests, send_columns=send_columns,
+                           stream_interval_s=args.stream_interval_ms / 1000)
 
     # gRPC, and the Outputs streams' per-token work, in a process of their own: they
     # would take the GIL from the engine thread here (node/calls.py).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import AsyncIterator, Callable
 
 from tandem.engine import trace
@@ -183,14 +184,18 @@ class Columns:
 class ColumnOutbox:
     """An Outputs stream whose batches another process makes (`node/front.py`): the
     engine thread gathers each step's outputs as `Columns` and `flush` (after the step)
-    hands them to `send(subscriber, message)`; `batches` only opens the stream and holds
-    it until `close()`. The same listener and `closed` as `Outbox`."""
+    hands them to `send(subscriber, message)`, at most once per `interval_s` while the
+    engine steps (the stream interval: a request's tokens of the steps between go as one
+    chunk, and every hop after pays per chunk, not per token); `batches` only opens the
+    stream and holds it until `close()`. The same listener and `closed` as `Outbox`."""
 
     def __init__(self, subscriber: str, bridge: Bridge,
-                 send: Callable[[str, bytes], None]) -> None:
+                 send: Callable[[str, bytes], None], interval_s: float = 0.0) -> None:
         self.subscriber = subscriber
         self._bridge, self._send = bridge, send
         self._columns = Columns()  # the engine thread's
+        self.interval_s = interval_s
+        self._sent_at = float("-inf")  # time.monotonic() of the last send
         self.closed = asyncio.Event()
 
     def listener(self, chunks: Chunks):  # noqa: ANN201 - a Listener
@@ -201,13 +206,18 @@ class ColumnOutbox:
                 self._columns.add(chunks, out)
         return on_output
 
-    def flush(self) -> None:
-        """On the engine thread, after a step: send what it gathered; then its finished
-        requests' Generate calls may end."""
+    def flush(self, idle: bool = True) -> None:
+        """On the engine thread, after a step: send what the steps since the last send
+        gathered; then their finished requests' Generate calls may end. Held while less
+        than `interval_s` has passed since that send, unless a request's first chunk is
+        among them or the engine is `idle`."""
         columns = self._columns
         if not columns.request_ids:
             return
-        self._columns = Columns()
+        now = time.monotonic()
+        if not idle and not columns.heads and now - self._sent_at < self.interval_s:
+            return
+        self._columns, self._sent_at = Columns(), now
         self._send(self.subscriber, columns.message().SerializeToString())
         for chunks in columns.done:
             self._bridge.post(chunks.done.set)

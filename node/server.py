@@ -62,6 +62,7 @@ class NodeService(pb_grpc.NodeServicer):
                  timeouts: Timeouts = TIMEOUTS, max_requests: int = MAX_REQUESTS,
                  transfer_port: int = 0, advertise_host: str | None = None,
                  send_columns: Callable[[str, bytes], None] | None = None,
+                 stream_interval_s: float = 0.0,
                  **connector_options: object) -> None:
         """`index`: a shared block-hash index (Redis) this node publishes its blocks to,
         as its address (`serve` sets it); routers also follow `BlockEvents`.
@@ -72,7 +73,8 @@ class NodeService(pb_grpc.NodeServicer):
         listens on `transfer_host`:`transfer_port` (0: a free port); peers are told
         `advertise_host` (default: `transfer_host`). `send_columns`: the Outputs
         streams' batches are made by the gRPC front's process (`node/front.py`); each
-        step's outputs go to it from the engine thread (`ColumnOutbox`)."""
+        step's outputs go to it from the engine thread (`ColumnOutbox`), at most once per
+        `stream_interval_s` while the engine steps (a first token goes at once)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
         self.role = ROLES[role]
@@ -102,7 +104,7 @@ class NodeService(pb_grpc.NodeServicer):
         self._tasks: dict[str, asyncio.Task] = {}  # Generate and Prefill calls, by request
         self.aborted: dict[asyncio.Task, str] = {}  # cancelled by an Abort: why
         self._outboxes: dict[str, Outbox | ColumnOutbox] = {}  # Outputs streams, by subscriber
-        self._send_columns = send_columns
+        self._send_columns, self.stream_interval_s = send_columns, stream_interval_s
         if send_columns is not None:
             self.loop.add_flush(self._flush_columns)
 
@@ -155,7 +157,8 @@ class NodeService(pb_grpc.NodeServicer):
         if not request.subscriber:
             raise ValueError("subscriber is empty")
         outbox = (Outbox(request.subscriber, self.bridge) if self._send_columns is None
-                  else ColumnOutbox(request.subscriber, self.bridge, self._send_columns))
+                  else ColumnOutbox(request.subscriber, self.bridge, self._send_columns,
+                                    self.stream_interval_s))
         old, self._outboxes[request.subscriber] = (
             self._outboxes.get(request.subscriber), outbox)
         if old is not None:
@@ -362,9 +365,9 @@ class NodeService(pb_grpc.NodeServicer):
         if new_work and not self.accepting:
             raise Status(grpc.StatusCode.FAILED_PRECONDITION, "this node is draining")
 
-    def _flush_columns(self) -> None:
+    def _flush_columns(self, idle: bool) -> None:
         for outbox in list(self._outboxes.values()):  # one copy the GIL keeps whole
-            outbox.flush()
+            outbox.flush(idle)
 
     def _outbox(self, subscriber: str) -> Outbox | ColumnOutbox | None:
         if not subscriber:

@@ -270,6 +270,8 @@ def _engine_flags(args: argparse.Namespace, node: NodePlan) -> list[str]:
         flags += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.cpu_weights != "fp32":
         flags += ["--cpu-weights", args.cpu_weights]
+    if args.stream_interval_ms:
+        flags += ["--stream-interval-ms", str(args.stream_interval_ms)]
     return flags
 
 

@@ -5,6 +5,7 @@ follows its parent out; its Health answers while the engine's process is held.""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -12,10 +13,12 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
+from serving_helpers import completion_token_ids, tandem_up
 
 from tandem.engine.outputs import RequestOutput
 from tandem.node.aio import Bridge, new_event_loop
@@ -87,6 +90,50 @@ def test_a_column_outbox_sends_each_step_then_ends_its_finished_calls() -> None:
         ends=[pb.GenerateChunk(request_id="a", finish_reason="stop", prompt_tokens=3,
                                completion_tokens=2, cached_tokens=2)])
     assert not chunks["b"].done.is_set()
+
+
+def test_a_column_outbox_with_an_interval_holds_steps_but_not_first_tokens() -> None:
+    aio = new_event_loop()
+    thread = threading.Thread(target=aio.run_forever, daemon=True)
+    thread.start()
+    sent: list[pb.OutputColumns] = []
+    outbox = ColumnOutbox("r1", Bridge(aio), lambda _, m: sent.append(
+        pb.OutputColumns.FromString(m)), interval_s=60.0)
+    on_a = outbox.listener(Chunks("a", pb.GenerateChunk(queued_s=0.5)))
+    on_a(_out("a", [5], "h"))
+    outbox.flush(idle=False)  # a first token: at once
+    on_a(_out("a", [5, 6], "e"))
+    outbox.flush(idle=False)  # within the interval: held
+    on_a(_out("a", [5, 6, 7], "y"))
+    outbox.flush(idle=False)
+    assert len(sent) == 1
+    outbox.flush(idle=True)  # the engine has nothing left to step: sent now
+    aio.call_soon_threadsafe(aio.stop)
+    thread.join(5)
+    assert len(sent) == 2
+    assert list(merge_columns([sent[1]]).chunks) == [
+        pb.GenerateChunk(request_id="a", token_ids=[6, 7], text="ey")]
+
+
+def test_a_stream_interval_sends_fewer_chunks_with_the_same_tokens() -> None:
+    """`tandem up --stream-interval-ms`: a streamed completion's tokens come in a few
+    chunks (the first at once), and they are the unstreamed completion's."""
+    prompt = [5, 17, 99, 3, 250, 41, 7]
+    with tandem_up(["--model", "tiny", "--load-format", "dummy", "--skip-tokenizer-init",
+                    "--colocated", "1", "--stream-interval-ms", "300"]) as (url, _, _):
+        want = completion_token_ids(url, prompt, 48)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 48, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        chunks = []
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r:
+                if line.startswith(b"data: {"):
+                    chunks.append(json.loads(line[6:])["choices"][0]["token_ids"])
+    assert [t for c in chunks for t in c] == want
+    assert len(chunks[0]) == 1
+    assert len(chunks) < 48 // 4, [len(c) for c in chunks]
 
 
 def test_the_front_loads_no_engine() -> None:
