@@ -22,6 +22,7 @@ engine; a reserved request nobody generates is freed with its sink.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -89,6 +90,11 @@ class DecodeRole:
         # opens.
         self._sinks: dict[int, str] = {}  # a sink's first block id -> its request
         self._arrivals: dict[str, _Arrival] = {}
+        # Requests whose sink `drop_sink` is failing (a thread's), and those of them an
+        # abort came for meanwhile: their blocks go back once the drop is done.
+        self._drop_lock = threading.Lock()
+        self._dropping: set[str] = set()
+        self._ended_dropping: set[str] = set()
         self._aborts = ThreadPoolExecutor(_ABORT_THREADS, thread_name_prefix="sink-abort")
         self.kv_bytes_received = 0
         self.transfers_failed = 0
@@ -219,11 +225,20 @@ class DecodeRole:
 
     def drop_sink(self, request_id: str) -> None:
         """Fail the request's sink but keep its blocks reserved in the engine, to compute
-        the prompt here (`compute_here`). Blocks while a write into them finishes."""
+        the prompt here (`compute_here`). Blocks while a write into them finishes; an
+        abort that comes meanwhile (its call ended) gives the blocks back after it."""
+        with self._drop_lock:
+            self._dropping.add(request_id)
         self._forget_request(request_id)  # so the sink's end does not free the blocks
         self._arrivals.pop(request_id, None)
         if self.agent.holds(request_id):
             self.agent.abort(request_id, "prefilled on the decode node instead")
+        with self._drop_lock:  # no write goes into the blocks now
+            self._dropping.discard(request_id)
+            ended = request_id in self._ended_dropping
+            self._ended_dropping.discard(request_id)
+        if ended:  # its call ended while the sink was failing: nobody computes it here
+            self.loop.submit(lambda e: e.release_reserved(request_id))
 
     def compute_here(self, req: Request, listener: Listener) -> Future[None]:
         """Prefill `req` on this node, in its reserved blocks if it has them (after
@@ -241,6 +256,10 @@ class DecodeRole:
     def abort(self, request_id: str, reason: str) -> Future[bool]:
         """End `request_id` in whichever stage holds it; whether one did. Never blocks."""
         def end(engine: LLMEngine) -> bool:
+            with self._drop_lock:
+                if request_id in self._dropping:  # the drop gives its blocks back
+                    self._ended_dropping.add(request_id)
+                    return True
             queued = self._queued.pop(request_id, None)
             if queued is not None:
                 self._prealloc.remove(queued)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 from redis_server import RedisServer
-from serving_helpers import Cluster, cluster, metric_samples
+from serving_helpers import Cluster, cluster, metric_samples, stderr_tail
 
 from tandem import LLM, SamplingParams
 from tandem.node import auth
@@ -154,7 +154,12 @@ def _all_idle(cluster: Cluster, alive: list[subprocess.Popen], timeout: float = 
     """Every live node holds nothing, read from the nodes and from the router's /metrics."""
     deadline = time.monotonic() + timeout
     while held := _holding(cluster, alive):
-        assert time.monotonic() < deadline, f"still held once idle: {held}"
+        if time.monotonic() > deadline:
+            logs = "".join(f"\n--- {cluster.addresses[p.pid]}'s stderr ends:\n"
+                           f"{stderr_tail(p)}" for p in alive
+                           if cluster.addresses[p.pid] in held)
+            raise AssertionError(f"still held once idle: {held}{logs}\n--- the router's "
+                                 f"stderr ends:\n{stderr_tail(cluster.router)}")
         time.sleep(0.2)
     live = {cluster.addresses[p.pid] for p in alive}
     while True:  # the router polls its nodes every second

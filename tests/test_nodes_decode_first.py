@@ -6,6 +6,7 @@ decode node's call brings the sink."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import grpc
@@ -155,6 +156,33 @@ def test_decode_first_when_the_prefill_node_is_unreachable(nodes, prompts, expec
     assert raised.value.code() == grpc.StatusCode.ABORTED
     assert "prefill failed" in raised.value.details()
     assert wait_for(lambda: is_idle(decode))
+
+
+def test_a_call_ended_while_its_sink_is_dropped_frees_its_blocks(
+        nodes, prompts, monkeypatch):  # noqa: ANN001
+    """The prefill node does not answer: the decode node fails the prompt's sink to
+    compute it itself, and the call ends (its client left) while that drop still waits
+    on the sink: the reserved blocks come back all the same."""
+    _, decode = nodes
+    agent = decode.service.decode.agent
+    dropping = threading.Event()
+    abort = agent.abort
+
+    def slow_abort(request_id: str, reason: str = "abort requested") -> bool:
+        dropping.set()
+        time.sleep(1.0)  # a write into the sink's blocks still in flight
+        return abort(request_id, reason)
+
+    monkeypatch.setattr(agent, "abort", slow_abort)
+    dead = pb.PrefillPlan(address=_dead_address(), timeout_s=10)
+    stream = decode.stub.Generate(pb.GenerateRequest(request=request_pb("left", prompts[4]),
+                                                     prefill=dead), timeout=60)
+    threading.Thread(target=lambda: dropping.wait(30) and stream.cancel(), daemon=True).start()
+    with pytest.raises(grpc.RpcError) as raised:
+        list(stream)
+    assert raised.value.code() == grpc.StatusCode.CANCELLED
+    assert dropping.is_set()
+    assert wait_for(lambda: is_idle(decode), timeout=5), decode.stats()
 
 
 @pytest.mark.parametrize("how", ["cancel", "abort"])
