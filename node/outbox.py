@@ -42,7 +42,7 @@ class Chunks:
         (a new one if None; in an OutputBatch it is named); `text`: their text, if not
         `out.delta` (outputs merged into one chunk)."""
         chunk = pb.GenerateChunk() if into is None else into
-        chunk.token_ids.extend(out.token_ids[self.sent:])
+        chunk.token_ids.extend(out.tokens_since(self.sent))
         chunk.text = out.delta if text is None else text
         if into is not None:
             chunk.request_id = self.request_id
@@ -50,11 +50,11 @@ class Chunks:
             trace.mark(self.request_id, "decode.first_chunk")
             chunk.MergeFrom(self.head)
             self.head = None
-        self.sent = len(out.token_ids)
+        self.sent = out.num_tokens
         if out.finished:
             chunk.finish_reason = out.finish_reason or ""
             chunk.prompt_tokens = len(out.prompt_token_ids)
-            chunk.completion_tokens = len(out.token_ids)
+            chunk.completion_tokens = out.num_tokens
             chunk.cached_tokens = out.num_cached_tokens
             self.done.set()
         return chunk
@@ -156,8 +156,8 @@ class Columns:
         self.done: list[Chunks] = []  # their last entry is here: done once it is sent
 
     def add(self, chunks: Chunks, out: RequestOutput) -> None:
-        new = out.token_ids[chunks.sent:]
-        chunks.sent = len(out.token_ids)
+        new = out.tokens_since(chunks.sent)
+        chunks.sent = out.num_tokens
         self.request_ids.append(chunks.request_id)
         self.num_tokens.append(len(new))
         self.token_ids += new
@@ -171,7 +171,7 @@ class Columns:
         if out.finished:
             self.ends.append(pb.GenerateChunk(
                 request_id=chunks.request_id, finish_reason=out.finish_reason or "",
-                prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+                prompt_tokens=len(out.prompt_token_ids), completion_tokens=out.num_tokens,
                 cached_tokens=out.num_cached_tokens))
             self.done.append(chunks)
 
