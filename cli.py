@@ -7,6 +7,13 @@ import sys
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
+# `tandem node` and `tandem up` (for its decode or colocated nodes) take the same flag.
+STREAM_INTERVAL_HELP = (
+    "while the engine steps, send the Outputs streams at most once per this many "
+    "milliseconds: a request's tokens of the steps between go as one chunk, so the router "
+    "and the client pay per chunk, not per token, where steps are short (a small model); "
+    "a first token goes at once (default: 0, every step)")
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -153,11 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "KV blocks or running; more are refused with RESOURCE_EXHAUSTED "
                            "and wait in the router's queue (default: %(default)s)")
     node.add_argument("--stream-interval-ms", type=float, default=0.0, metavar="MS",
-                      help="while the engine steps, send the Outputs streams at most once "
-                           "per this many milliseconds: a request's tokens of the steps "
-                           "between go as one chunk, so the router and the client pay per "
-                           "chunk, not per token, where steps are short (a small model); a "
-                           "first token goes at once (default: 0, every step)")
+                      help=STREAM_INTERVAL_HELP)
     node.add_argument("--index", default=None, metavar="URL",
                       help="a shared block-hash index (redis://host:port/db) this node "
                            "publishes its KV blocks to; without it, routers follow the "
@@ -223,11 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device of each decode (or colocated) node, or one for all "
                         "(default: --device)")
     g.add_argument("--stream-interval-ms", type=float, default=0.0, metavar="MS",
-                   help="the decode (or colocated) nodes send their tokens at most once per "
-                        "this many milliseconds while they step: a request's tokens of the "
-                        "steps between go as one chunk, so the router and the client pay "
-                        "per chunk, not per token, where steps are short (a small model); a "
-                        "first token goes at once (default: 0, every step)")
+                   help=STREAM_INTERVAL_HELP)
     g.add_argument("--decode-max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="the decode (or colocated) nodes' token budget per step: smaller "
                         "than the prefill nodes', the prompts a decode node computes "

@@ -21,9 +21,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
+
+from serve_vs_engine import wait_ok
 
 COMMON = ["--model", "smollm2-135m", "--device", "cuda", "--dtype", "bfloat16",
           "--load-format", "dummy", "--max-num-seqs", "128", "--no-prefix-caching"]
@@ -55,20 +55,6 @@ def offline(bursts: int) -> list[float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def wait_up(url: str, up: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and up.poll() is None:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                health = json.loads(r.read())
-                if health["status"] == "ok" and all(health["nodes"].values()):
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError("tandem up did not come up")
-
-
 def served(flags: list[str], bursts: int, port: int) -> list[dict[str, float]]:
     url = f"http://127.0.0.1:{port}"
     up = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", "--port", str(port),
@@ -76,7 +62,7 @@ def served(flags: list[str], bursts: int, port: int) -> list[dict[str, float]]:
                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                           start_new_session=True)
     try:
-        wait_up(url, up)
+        wait_ok(url, up, timeout_s=300)
         rows = []
         for i in range(bursts + 1):  # the first: a warm-up of 16
             result = Path(f"/tmp/serve_5b_ab_{os.getpid()}.json")
