@@ -46,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--offline-bursts", type=int, default=4, help="(default: %(default)s)")
     p.add_argument("--served-bursts", type=int, default=3, help="(default: %(default)s)")
     p.add_argument("--port", type=int, default=8390, help="(default: %(default)s)")
+    p.add_argument("--up-flags", default="", help="more flags for both `tandem up`s, one "
+                   "string (e.g. \"--stream-interval-ms 5\")")
     return p.parse_args()
 
 
@@ -90,7 +92,7 @@ def main() -> None:
     print(args.label, "offline", [round(x) for x in result["offline_tok_s"]], flush=True)
     for name, flags in (("colocated", ["--colocated", "1"]),
                         ("1p1d_ipc", ["--connector", "ipc"])):
-        rows = served(flags, args.served_bursts, args.port)
+        rows = served(flags + args.up_flags.split(), args.served_bursts, args.port)
         result[name] = rows
         print(args.label, name, [round(r["tok_s"]) for r in rows], "ttft",
               [round(r["median_ttft_ms"]) for r in rows], flush=True)

@@ -396,11 +396,28 @@ class LLMEngine:
         tokens = launched.tokens.result()
         self._timed(launched.prompt_tokens, launched.began)
         outputs = []
+        detoks, eos, max_len, plain = self._detok, self.eos_token_ids, self.max_model_len, 0
         for req, token in zip(launched.requests, tokens):
             if req.status in FINISHED:
                 continue  # aborted, or stopped, since the launch
-            out = req.output_token_ids
-            if len(out) > 1 and out[-2] == PENDING_TOKEN:  # a later step sampled too
+            out, p = req.output_token_ids, req.params
+            # A later step sampled too (it was launched before this one landed): its
+            # pending token stays last.
+            twice = len(out) > 1 and out[-2] == PENDING_TOKEN
+            n = len(out) - twice  # output tokens once this one lands
+            if (p.token_only_stops and token not in p.stop_token_ids
+                    and (p.ignore_eos or token not in eos)
+                    and (p.max_tokens is None or n < p.max_tokens)
+                    and len(req.prompt_token_ids) + n < max_len
+                    and req.request_id not in detoks):
+                # Most tokens of most steps: `_append_one`'s outcome, with no text and no
+                # stop, in the fewest calls.
+                out[n - 1] = token
+                plain += 1
+                outputs.append(RequestOutput(req.request_id, req.prompt_token_ids,
+                                             req.output_text, out, None, req.stop_reason,
+                                             None, req.num_cached_tokens, "", n))
+            elif twice:
                 del out[-2:]
                 outputs.append(self._append_one(req, token, None))
                 if req.status not in FINISHED:
@@ -408,6 +425,7 @@ class LLMEngine:
             else:
                 del out[-1:]
                 outputs.append(self._append_one(req, token, None))
+        self.num_generation_tokens += plain
         return outputs
 
     def _count_prompt_tokens(self, batch: ScheduledBatch) -> int:
@@ -438,7 +456,7 @@ class LLMEngine:
         if self.prefill_hook is None:
             return None
         callbacks = [cb for i, req in enumerate(batch.requests)
-                     if batch.samples(i) and req.num_output_tokens == 0
+                     if not req.output_token_ids and batch.samples(i)
                      and (cb := self.prefill_hook(req)) is not None]
         if len(callbacks) < 2:
             return callbacks[0] if callbacks else None

@@ -106,6 +106,12 @@ class SamplingParams:
                 or self.presence_penalty != 0.0)
 
     @functools.cached_property
+    def token_only_stops(self) -> bool:
+        """Whether a new token is all a stop check needs: no stop strings, logprobs or
+        min_tokens (the engine lands such a request's token with the fewest calls)."""
+        return self.logprobs is None and not self.stop and self.min_tokens == 0
+
+    @functools.cached_property
     def greedy_on_device(self) -> bool:
         """Greedy and `device_sampled`: its token is the logits' argmax (once min_tokens
         is reached)."""

@@ -224,8 +224,7 @@ class EngineLoop:
             return
         self._progress_at, self._last_error = time.monotonic(), None
         trace.mark("step", "step.end", len(outputs))
-        for out in outputs:
-            self._deliver(out.request_id, out, out.finished)
+        self._deliver_step(outputs)
 
     def _fail_all(self, exc: Exception) -> None:
         with self._lock:
@@ -236,6 +235,21 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - the engine is already in trouble
                 log.exception("aborting %s failed", request_id)
             self._deliver(request_id, exc, True)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their listeners: `_deliver` for each, the listeners taken
+        under one hold of the lock (a step has an output per running request)."""
+        with self._lock:
+            get, pop = self._listeners.get, self._listeners.pop
+            listeners = [pop(out.request_id, None) if out.finish_reason is not None
+                         else get(out.request_id) for out in outputs]
+        for out, listener in zip(outputs, listeners):
+            if listener is None:
+                continue
+            try:
+                listener(out)
+            except Exception:  # noqa: BLE001 - one listener must not stop the loop
+                log.exception("listener of %s failed", out.request_id)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException, last: bool) -> None:
         with self._lock:

@@ -18,9 +18,9 @@ from tests.prompts import CHAT, RAW
 
 
 def make_engine(async_scheduling: bool, num_blocks: int | None = None,
-                budget: int = 2048) -> LLMEngine:
+                budget: int = 2048, skip_tokenizer_init: bool = False) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model="smollm2-135m-instruct",
+        model="smollm2-135m-instruct", skip_tokenizer_init=skip_tokenizer_init,
         cache=CacheConfig(num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget,
                                   max_model_len=512),
@@ -120,6 +120,61 @@ def test_async_outputs_equal_the_synchronous_loop(
     generated = sum(len(out.token_ids) for out in got.finals.values())
     assert async_engine.num_generation_tokens == sync_engine.num_generation_tokens
     assert generated <= async_engine.num_generation_tokens
+
+
+def test_async_token_only_outputs_equal_the_synchronous_loop(
+    sync_engine: LLMEngine
+) -> None:
+    # No tokenizer: tokens land without text, most of them by the engine's short path
+    # (stops by token only); every stop it must still see: EOS, a stop token, max_tokens
+    # (1 and more), the context's end (the last), and the general path beside it
+    # (min_tokens).
+    ids = [sync_engine.make_request("x", p, greedy()).prompt_token_ids
+           for p in (CHAT[0], RAW[1], RAW[5], RAW[4], CHAT[5] * 3, RAW[2])]
+    workload = [(ids[0], greedy(max_tokens=40), 0),  # ends with EOS
+                (ids[1], greedy(max_tokens=20), 0),
+                (ids[2], greedy(max_tokens=24, stop_token_ids=[1672]), 1),
+                (ids[2], greedy(max_tokens=24, min_tokens=2, stop_token_ids=[1672]), 2),
+                (ids[3], greedy(max_tokens=1), 0),
+                (ids[4], greedy(max_tokens=16, ignore_eos=True), 5),
+                ((ids[5] * 100)[:500], greedy(max_tokens=None, ignore_eos=True), 3)]
+    sync, asyn = (make_engine(a, skip_tokenizer_init=True) for a in (False, True))
+    runs = [_token_run(engine, workload) for engine in (sync, asyn)]
+    assert runs[0] == runs[1]
+    finals = runs[1]
+    assert {rid: f[2] for rid, f in finals.items()} == {
+        "r0": "stop", "r1": "length", "r2": "stop", "r3": "stop", "r4": "length",
+        "r5": "length", "r6": "length"}, "the workload stops every way"
+    assert len(finals["r4"][1]) == 1
+    assert len(workload[6][0]) + len(finals["r6"][1]) == 512, "the context is full"
+    # Token 1672 is the 4th of this prompt's greedy output (min_tokens masks none before).
+    assert (len(finals["r2"][1]), len(finals["r3"][1])) == (4, 4)
+    assert finals["r2"][3] == finals["r3"][3] == 1672
+    assert asyn.num_generation_tokens == sync.num_generation_tokens
+    assert_nothing_held(asyn)
+
+
+def _token_run(engine: LLMEngine, workload) -> dict:  # noqa: ANN001
+    """Each request's output counts step by step, its tokens as streamed, finish and stop
+    reasons."""
+    seen: dict[str, tuple[list[int], list[int], str | None, object]] = {}
+    pending, steps = list(enumerate(workload)), 0
+    while pending or engine.has_unfinished:
+        for i, (prompt, params, at) in list(pending):
+            if at <= steps:
+                engine.add_request(f"r{i}", prompt, params)
+                pending.remove((i, (prompt, params, at)))
+        for out in engine.step():
+            counts, streamed, _, _ = seen.setdefault(out.request_id, ([], [], None, None))
+            assert PENDING_TOKEN not in out.token_ids and out.text == ""
+            streamed += out.tokens_since(len(streamed))
+            counts.append(out.num_tokens)
+            assert streamed == out.token_ids
+            if out.finished:
+                seen[out.request_id] = (counts, streamed, out.finish_reason, out.stop_reason)
+        steps += 1
+        assert steps < 1000, "the engine does not finish"
+    return seen
 
 
 def test_async_with_chunked_prefill_and_preemption() -> None:
