@@ -1,8 +1,8 @@
 """The model's pointwise kernels, chosen once with the attention backend: Triton fusions
-on CUDA (RMSNorm + residual add, RoPE in place, SiLU·mul), their torch references
-elsewhere. Each pair computes the same thing (kernels/*.py, tests/test_kernels_small.py).
-On the CPU an engine whose weights are not fp32 runs C++ fusions of the same
-(engine/cpu_ops.py `fused_for`)."""
+on CUDA (RMSNorm + residual add, RoPE in place, per-head q/k RMSNorm + RoPE, SiLU·mul),
+their torch references elsewhere. Each pair computes the same thing (kernels/*.py,
+tests/test_kernels_small.py). On the CPU an engine whose weights are not fp32 runs C++
+fusions of the same (engine/cpu_ops.py `fused_for`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 from tandem.engine import cpu_linear as cpu_linear_mod
 from tandem.engine import cpu_ops
 from tandem.engine.fp8 import Fp8Linear
-from tandem.kernels import rms_norm, rope, silu_mul
+from tandem.kernels import qk_norm_rope, rms_norm, rope, silu_mul
 
 
 def cpu_linear(x: torch.Tensor, layer: nn.Linear | Fp8Linear) -> torch.Tensor:
@@ -52,6 +52,9 @@ class Ops:
     linear: Callable = linear
     # (hidden [N, D], embedding [V, D]) -> logits [N, V]
     logits: Callable = logits_fp32
+    # (q [T, Hq, D], k, q_weight [D], k_weight [D], eps, positions, cos_sin) -> None, in
+    # place: each head RMS-normed, then RoPE. None: rms_norm over each head, then apply_rope_
+    qk_norm_rope_: Callable | None = None
 
 
 TORCH_OPS = Ops(rms_norm.rms_norm_ref, rope.apply_rope_ref_, silu_mul.silu_mul_ref)
@@ -59,7 +62,8 @@ CPU_OPS = Ops(rms_norm.rms_norm_ref, rope.apply_rope_ref_, silu_mul.silu_mul_ref
               cpu_linear, cpu_linear_mod.linear)
 CPU_FUSED_OPS = Ops(cpu_ops.rms_norm, cpu_ops.apply_rope_, cpu_ops.silu_mul, cpu_linear,
                     cpu_linear_mod.linear)
-TRITON_OPS = Ops(rms_norm.rms_norm, rope.apply_rope_, silu_mul.silu_mul)
+TRITON_OPS = Ops(rms_norm.rms_norm, rope.apply_rope_, silu_mul.silu_mul,
+                 qk_norm_rope_=qk_norm_rope.qk_norm_rope_)
 
 
 def ops_for(backend: str, device: torch.device, fused: bool = False) -> Ops:

@@ -1,5 +1,5 @@
-"""The small decode-path kernels (kernels/kv_store.py, rms_norm.py, rope.py, silu_mul.py)
-against their torch references, and the references against Hugging Face's Llama."""
+"""The small decode-path kernels (kernels/kv_store.py, rms_norm.py, rope.py, silu_mul.py,
+qk_norm_rope.py) against their torch references, and the references against Hugging Face's Llama."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from triton_interpreter import HAS_TRITON, run_under_interpreter
 
 from tandem.kernels.kv_store import store_kv, store_kv_ref
+from tandem.kernels.qk_norm_rope import qk_norm_rope_, qk_norm_rope_ref_
 from tandem.kernels.rms_norm import rms_norm, rms_norm_ref
 from tandem.kernels.rope import apply_rope_, apply_rope_ref_, rope_cache
 from tandem.kernels.silu_mul import silu_mul, silu_mul_ref
@@ -103,6 +104,30 @@ def compare_rope(device: str, dtype: torch.dtype, g: torch.Generator) -> None:
             assert torch.equal(v, ref_v), what  # next to k in memory, untouched
 
 
+def compare_qk_norm_rope(device: str, dtype: torch.dtype, g: torch.Generator) -> None:
+    # The normed value and its product with the weight are rounded before the rotation (and
+    # Triton's rsqrt is approximate): a step of those moves an output by a step of its
+    # inputs' size, not of its own, which the rotation's difference may make small.
+    n = 8 if dtype == torch.float32 else steps(device, dtype) + 1  # fp32: sums' order
+    for d, hq, hkv in ((64, 9, 3), (128, 32, 4)):
+        cache = rope_cache(inv_freq(d), 4096).to(device)
+        qw, kw = ((1 + 0.3 * torch.randn(d, generator=g)).to(dtype).to(device) for _ in "qk")
+        for t in (1, 7):
+            what = ("qk_norm_rope", dtype, d, t)
+            qkv = 4 * random_qkv(t, hq, hkv, d, dtype, device, g)
+            positions = torch.randint(0, 4096, (t,), generator=g).to(device)
+            ref = qkv.clone()
+            q, k, v = split_qkv(qkv, hq, hkv)
+            ref_q, ref_k, ref_v = split_qkv(ref, hq, hkv)
+            qk_norm_rope_ref_(ref_q, ref_k, qw, kw, 1e-6, positions, cache)
+            qk_norm_rope_(q, k, qw, kw, 1e-6, positions, cache)
+            for got, want in ((q, ref_q), (k, ref_k)):
+                atol = n * torch.finfo(dtype).eps * want.abs().amax(-1, keepdim=True)
+                assert ((got.float() - want.float()).abs() <= atol).all(), (
+                    what, (got.float() - want.float()).abs().max())
+            assert torch.equal(v, ref_v), what  # next to k in memory, untouched
+
+
 def compare_kv_store(device: str, dtype: torch.dtype, g: torch.Generator) -> None:
     """Rows 0 and 3 are padding aimed at the null slot 0; every other slot, exactly. The
     fp32 -> bf16 cast is checked on the GPU only (see `steps`)."""
@@ -134,6 +159,7 @@ def compare(device: str) -> None:
         compare_rms_norm(device, dtype, g)
         compare_silu_mul(device, dtype, g)
         compare_rope(device, dtype, g)
+        compare_qk_norm_rope(device, dtype, g)
         compare_kv_store(device, dtype, g)
 
 

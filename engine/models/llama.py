@@ -84,6 +84,13 @@ class Attention(nn.Module):
         per-head norms overrides this)."""
         return q, k
 
+    def position_qk(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                    cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k as attention reads them: `norm_qk`, then RoPE."""
+        q, k = self.norm_qk(q, k)
+        self.ops.apply_rope_(q, k, positions, cos_sin)
+        return q, k
+
     def forward(
         self,
         x: torch.Tensor,  # [T, D]
@@ -98,9 +105,8 @@ class Attention(nn.Module):
         # against 2.1) of the ~39 us of Python a CPU decode step spends on a layer.
         q, k, v = qkv.split_with_sizes([self.num_heads * hd, self.num_kv_heads * hd,
                                         self.num_kv_heads * hd], dim=-1)
-        q, k = self.norm_qk(q.view(t, -1, hd), k.view(t, -1, hd))
+        q, k = self.position_qk(q.view(t, -1, hd), k.view(t, -1, hd), positions, cos_sin)
         v = v.view(t, -1, hd)
-        self.ops.apply_rope_(q, k, positions, cos_sin)
         o = self.attention.forward(q, k, v, kv_cache, state, self.scale, self.window,
                                    self.softcap, self.k_scale, self.v_scale)  # [T, Hq, hd]
         return self.ops.linear(o.reshape(t, -1), self.o_proj)

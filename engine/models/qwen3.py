@@ -25,6 +25,16 @@ class Qwen3Attention(Attention):
                 self.k_norm(k.reshape(-1, hd)).view(k.shape))
 
 
+    def position_qk(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                    cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = self.ops.qk_norm_rope_
+        if fused is None:
+            return super().position_qk(q, k, positions, cos_sin)
+        # In place in the fused qkv: the two norms and the rotation in one kernel.
+        fused(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, positions, cos_sin)
+        return q, k
+
+
 class Qwen3ForCausalLM(LlamaForCausalLM):
     attention_class = Qwen3Attention
 
