@@ -35,21 +35,34 @@ class ClientGone(Exception):
 
 
 async def until_gone(receive: Receive, work: Awaitable[T]) -> T:
-    """`work`'s result; it is cancelled, and ClientGone raised, the moment the client
-    goes away first (the request's body is read: its next ASGI message is the
-    disconnect)."""
-    task = asyncio.ensure_future(work)
+    """`work`'s result, awaited in this task; it is cancelled, and ClientGone raised, the
+    moment the client goes away first (the request's body is read: its next ASGI message
+    is the disconnect). The disconnect is watched by a second task, so `work` starts at
+    once: a task of its own would wait its turn behind everything else ready on the loop
+    (in a burst, a whole round of the other requests' handlers)."""
+    this = asyncio.current_task()
+    assert this is not None, "until_gone runs in a task"
+    left = waiting = False
+
+    def on_gone(watch: asyncio.Future) -> None:  # may run after `work` ended: `waiting`
+        nonlocal left
+        if waiting and not watch.cancelled() and watch.exception() is None:
+            left = True
+            this.cancel()
+
     gone = asyncio.ensure_future(_disconnected(receive))
+    gone.add_done_callback(on_gone)
+    waiting = True
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if not left:
+            raise  # this caller was cancelled, not by the client's leaving
+        this.uncancel()
+        raise ClientGone from None
     finally:
+        waiting = False
         gone.cancel()
-        left = not task.done()  # the client went away (or this caller was cancelled)
-        if left:
-            task.cancel()
-    if left:
-        raise ClientGone
-    return task.result()
 
 
 async def _disconnected(receive: Receive) -> None:
