@@ -545,13 +545,15 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt)
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            # Checked in C, not a Python step per token: a node checks every Generate's
+            # prompt on its asyncio thread, beside the engine's.
+            if not set(map(type, token_ids)) <= {int}:  # bool, a float: refused
                 raise ValueError("prompt token ids must be integers")
-            bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
+            vocab = self.model_config.vocab_size
+            if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
+                bad = next(t for t in token_ids if not 0 <= t < vocab)
                 raise ValueError(
-                    f"prompt token id {bad[0]} is outside the vocabulary "
-                    f"[0, {self.model_config.vocab_size})"
+                    f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
                 )
         if not token_ids:
             raise ValueError("prompt is empty")
