@@ -40,12 +40,12 @@ from tandem.engine.loader import (
 from tandem.engine.model_runner import ModelRunner, SampledTokens, num_kv_blocks
 from tandem.engine.models import model_class
 from tandem.engine.ops import ops_for
+from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.outputs import RequestOutput
-from tandem.engine.request import FINISHED, PENDING_TOKEN, Request, RequestStatus
-from tandem.engine.sampler import Sampler, SamplerOutput
+from tandem.engine.request import PENDING_TOKEN, Request, RequestStatus
+from tandem.engine.sampler import Sampler
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
-from tandem.engine.tokenizer import IncrementalDetokenizer, find_stop_string
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,8 @@ class LLMEngine:
         )
         self._launched: _Launched | None = None
         self._requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len,
+                                       self._finish)
         # Since start, for the node's metrics: prompt tokens computed here, and of the
         # requests that ended, all prompt tokens and those found in the prefix cache;
         # tokens generated.
@@ -178,7 +179,6 @@ class LLMEngine:
         self.num_prompt_tokens_cached = 0
         self.num_prompt_tokens_cached_host = 0  # of those, copied back from the host tier
         self.num_prompt_tokens_cached_peer = 0  # of those, pulled from a peer for the request
-        self.num_generation_tokens = 0
         self.prompt_tokens_timed = 0  # prompt tokens of the steps timed below
         self.prompt_step_seconds = 0.0
         self._step_ended = 0.0  # time.perf_counter() when the last step's tokens landed
@@ -235,10 +235,7 @@ class LLMEngine:
 
     def _register(self, req: Request) -> None:
         self._requests[req.request_id] = req
-        if self.tokenizer is not None:
-            self._detok[req.request_id] = IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens
-            )
+        self.outputs.register(req)
 
     # --- the decode role: a prompt's KV computed elsewhere ------------------------------
 
@@ -280,7 +277,7 @@ class LLMEngine:
         req.num_computed_tokens = req.num_prompt_tokens
         self.scheduler.kv.cache_computed_blocks(req)
         self.scheduler.add_running(req)
-        return self._append([req], SamplerOutput([first_token], [None]))[0]
+        return self.outputs.append(req, first_token, None)
 
     def start_prefill(self, request_id: str) -> bool:
         """Compute the reserved request's prompt here after all (past its cached prefix,
@@ -298,7 +295,7 @@ class LLMEngine:
         self.scheduler.kv.cache_computed_blocks(req)
         self.scheduler.kv.free(req)
         del self._requests[request_id]
-        self._detok.pop(request_id, None)
+        self.outputs.forget(request_id)
 
     def release_reserved(self, request_id: str) -> None:
         """Give back a reserved request's blocks; nothing if it is not reserved."""
@@ -306,7 +303,7 @@ class LLMEngine:
         if req is not None:
             self.scheduler.kv.free(req)
             del self._requests[request_id]
-            self._detok.pop(request_id, None)
+            self.outputs.forget(request_id)
 
     @property
     def num_reserved(self) -> int:
@@ -344,6 +341,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished or self._launched is not None
 
     @property
+    def num_generation_tokens(self) -> int:
+        return self.outputs.num_generation_tokens
+
+    @property
     def num_unfinished(self) -> int:
         return len(self._requests)
 
@@ -370,7 +371,9 @@ class LLMEngine:
         sampled = self.runner.run(batch, sampling, on_layer, self.prefill_layerwise)
         self._timed(computed, began)  # run() waits for the step's tokens
         self.scheduler.postprocess(batch)
-        return outputs + self._append(sampling, sampled)
+        append = self.outputs.append
+        return outputs + [append(req, token, logprobs) for req, token, logprobs
+                          in zip(sampling, sampled.token_ids, sampled.logprobs)]
 
     def _step_ahead(self, batch: ScheduledBatch, sampling: list[Request],
                     on_layer: Callable[[int], None] | None) -> list[RequestOutput]:
@@ -395,38 +398,7 @@ class LLMEngine:
             return []
         tokens = launched.tokens.result()
         self._timed(launched.prompt_tokens, launched.began)
-        outputs = []
-        detoks, eos, max_len, plain = self._detok, self.eos_token_ids, self.max_model_len, 0
-        for req, token in zip(launched.requests, tokens):
-            if req.status in FINISHED:
-                continue  # aborted, or stopped, since the launch
-            out, p = req.output_token_ids, req.params
-            # A later step sampled too (it was launched before this one landed): its
-            # pending token stays last.
-            twice = len(out) > 1 and out[-2] == PENDING_TOKEN
-            n = len(out) - twice  # output tokens once this one lands
-            if (p.token_only_stops and token not in p.stop_token_ids
-                    and (p.ignore_eos or token not in eos)
-                    and (p.max_tokens is None or n < p.max_tokens)
-                    and len(req.prompt_token_ids) + n < max_len
-                    and req.request_id not in detoks):
-                # Most tokens of most steps: `_append_one`'s outcome, with no text and no
-                # stop, in the fewest calls.
-                out[n - 1] = token
-                plain += 1
-                outputs.append(RequestOutput(req.request_id, req.prompt_token_ids,
-                                             req.output_text, out, None, req.stop_reason,
-                                             None, req.num_cached_tokens, "", n))
-            elif twice:
-                del out[-2:]
-                outputs.append(self._append_one(req, token, None))
-                if req.status not in FINISHED:
-                    out.append(PENDING_TOKEN)
-            else:
-                del out[-1:]
-                outputs.append(self._append_one(req, token, None))
-        self.num_generation_tokens += plain
-        return outputs
+        return self.outputs.land(launched.requests, tokens)
 
     def _count_prompt_tokens(self, batch: ScheduledBatch) -> int:
         """The prompt tokens the step computes, counted."""
@@ -467,62 +439,6 @@ class LLMEngine:
 
         return each
 
-    def _append(self, reqs: list[Request], sampled: SamplerOutput) -> list[RequestOutput]:
-        return [self._append_one(req, token, logprobs) for req, token, logprobs
-                in zip(reqs, sampled.token_ids, sampled.logprobs)]
-
-    def _append_one(self, req: Request, token: int,
-                    logprobs: dict[int, float] | None) -> RequestOutput:
-        """A sampled token joins its request: its text, its stop checks, its output.
-        Runs for every request at every step, so it calls little."""
-        req.output_token_ids.append(token)
-        self.num_generation_tokens += 1
-        if logprobs is not None:
-            req.output_logprobs.append(logprobs)
-        detok = self._detok.get(req.request_id)
-        new_text = ""
-        if detok is not None:
-            new_text = detok.add(token)
-            req.output_text += new_text
-        status = self._check_stop(req, token, new_text)
-        if status is not None:
-            if status is RequestStatus.FINISHED_LENGTH:
-                self._flush_text(req)  # a character cut off mid-way by the limit
-            self._finish(req, status)
-        delta = (_stream_delta(req) if len(req.output_text) > req.num_text_streamed
-                 else "")
-        return RequestOutput.of(req, delta)
-
-    def _flush_text(self, req: Request) -> None:
-        detok = self._detok.get(req.request_id)
-        if detok is not None:
-            req.output_text += detok.flush()
-
-    def _check_stop(self, req: Request, token: int, delta: str) -> RequestStatus | None:
-        p = req.params
-        num_output = len(req.output_token_ids)
-        if num_output >= p.min_tokens:
-            if token in p.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if p.stop and delta:
-                cut = find_stop_string(
-                    req.output_text, p.stop, len(delta), p.include_stop_str_in_output
-                )
-                if cut is not None:
-                    req.stop_reason = _matched_stop(
-                        req.output_text, p.stop, cut, p.include_stop_str_in_output
-                    )
-                    req.output_text = req.output_text[:cut]
-                    return RequestStatus.FINISHED_STOPPED
-        if p.max_tokens is not None and num_output >= p.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if len(req.prompt_token_ids) + num_output >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.output_token_ids and req.output_token_ids[-1] == PENDING_TOKEN:
             req.output_token_ids.pop()  # aborted with a step in flight: never read
@@ -534,7 +450,7 @@ class LLMEngine:
         self.scheduler.finish(req, status)
         self.runner.release(req.request_id)
         del self._requests[req.request_id]
-        self._detok.pop(req.request_id, None)
+        self.outputs.forget(req.request_id)
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -558,27 +474,6 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt is empty")
         return token_ids
-
-
-def _stream_delta(req: Request) -> str:
-    """The text to stream now: what is new since the last delta, less a tail that could
-    still turn out to begin a stop string (never streamed, since the stop cuts it)."""
-    text, p = req.output_text, req.params
-    end = len(text)
-    if p.stop and not p.include_stop_str_in_output and not req.is_finished:
-        end -= max(map(len, p.stop)) - 1
-    if end <= req.num_text_streamed:
-        return ""
-    delta = text[req.num_text_streamed : end]
-    req.num_text_streamed = end
-    return delta
-
-
-def _matched_stop(text: str, stops: Sequence[str], cut: int, included: bool) -> str | None:
-    for s in stops:
-        if (text[:cut].endswith(s) if included else text.startswith(s, cut)):
-            return s
-    return None
 
 
 def run_to_completion(
