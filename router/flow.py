@@ -397,8 +397,11 @@ async def _first_from(chunks: AsyncIterator[pb.GenerateChunk], early: asyncio.Ta
     """The decode node's `chunks`, (False, chunk) each; and first (True, the early start's
     first-token chunk) if that comes before the decode node's first chunk."""
     if early is None:  # nothing to race: the call starts now, not a loop round later
-        async for chunk in chunks:
-            yield False, chunk
+        try:
+            async for chunk in chunks:
+                yield False, chunk
+        finally:
+            await chunks.aclose()  # now, not when the collector finds it (its call ends)
         return
     it = aiter(chunks)
     step = asyncio.ensure_future(anext(it))
