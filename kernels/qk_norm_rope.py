@@ -10,17 +10,13 @@ from __future__ import annotations
 import torch
 
 from tandem.kernels.rms_norm import rms_norm_ref
-from tandem.kernels.rope import apply_rope_ref_
+from tandem.kernels.rope import apply_rope_ref_, qk_tiles
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # the CPU build: the torch reference does the work
     triton = None
-
-# Elements of one half-head tile a program normalises and rotates: (heads) x D/2.
-_TILE = 2048
-
 
 def qk_norm_rope_ref_(
     q: torch.Tensor,  # [T, Hq, D]
@@ -47,24 +43,15 @@ def qk_norm_rope_(
 ) -> None:
     """`qk_norm_rope_ref_` in one launch: program (t, j) normalises and rotates block j of
     token t's heads, q's blocks first, then k's."""
-    assert triton is not None, "Triton is not installed"
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    assert k.shape == (t, hkv, d) and d % 2 == 0, (q.shape, k.shape)
-    assert q.stride(2) == 1 and k.stride(2) == 1, (q.stride(), k.stride())
+    tiles = qk_tiles(q, k, positions, cache)
+    d = q.shape[2]
     for w in (q_weight, k_weight):
         assert w.shape == (d,) and w.is_contiguous() and w.dtype == q.dtype, (w.shape, w.dtype)
-    assert cache.dtype == torch.float32 and cache.is_contiguous() and cache.shape[1] == d, (
-        cache.dtype, cache.shape)
-    assert positions.shape == (t,) and positions.dtype in (torch.int32, torch.int64), (
-        positions.shape, positions.dtype)
-    assert q.dtype == k.dtype and q.device == k.device == positions.device == cache.device
-    if t == 0:
+    if tiles is None:
         return
-    block_d = triton.next_power_of_2(d // 2)
-    block_h = min(triton.next_power_of_2(max(hq, hkv)), max(1, _TILE // block_d))
-    q_blocks = triton.cdiv(hq, block_h)
-    _qk_norm_rope_kernel[(t, q_blocks + triton.cdiv(hkv, block_h))](
+    t, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
+    block_h, block_d, q_blocks, k_blocks = tiles
+    _qk_norm_rope_kernel[(t, q_blocks + k_blocks)](
         q, k, q_weight, k_weight, positions, cache, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), hq, hkv, q_blocks, d // 2, eps, BLOCK_H=block_h, BLOCK_D=block_d,
     )

@@ -51,14 +51,11 @@ def _heads(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (q.as_strided((t, hq + k.shape[1], d), q.stride()),)
 
 
-def apply_rope_(
-    q: torch.Tensor,  # [T, Hq, D], unit last stride (a view of a fused qkv is fine)
-    k: torch.Tensor,  # [T, Hkv, D], unit last stride
-    positions: torch.Tensor,  # [T] int64, each < max_positions (not checked on device)
-    cache: torch.Tensor,  # [max_positions, D] float32 contiguous, from rope_cache
-) -> None:
-    """`apply_rope_ref_` in one launch: program (t, j) rotates block j of token t's heads,
-    q's blocks first, then k's."""
+def qk_tiles(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+             cache: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """The layout a kernel over q's and k's heads by token asserts (this one's and
+    qk_norm_rope's), and its tiles: (heads per program, D/2 padded, q's blocks, k's
+    blocks); None for no token."""
     assert triton is not None, "Triton is not installed"
     t, hq, d = q.shape
     hkv = k.shape[1]
@@ -70,11 +67,26 @@ def apply_rope_(
         positions.shape, positions.dtype)
     assert q.dtype == k.dtype and q.device == k.device == positions.device == cache.device
     if t == 0:
-        return
+        return None
     block_d = triton.next_power_of_2(d // 2)
     block_h = min(triton.next_power_of_2(max(hq, hkv)), max(1, _TILE // block_d))
-    q_blocks = triton.cdiv(hq, block_h)
-    _rope_kernel[(t, q_blocks + triton.cdiv(hkv, block_h))](
+    return block_h, block_d, triton.cdiv(hq, block_h), triton.cdiv(hkv, block_h)
+
+
+def apply_rope_(
+    q: torch.Tensor,  # [T, Hq, D], unit last stride (a view of a fused qkv is fine)
+    k: torch.Tensor,  # [T, Hkv, D], unit last stride
+    positions: torch.Tensor,  # [T] int64, each < max_positions (not checked on device)
+    cache: torch.Tensor,  # [max_positions, D] float32 contiguous, from rope_cache
+) -> None:
+    """`apply_rope_ref_` in one launch: program (t, j) rotates block j of token t's heads,
+    q's blocks first, then k's."""
+    tiles = qk_tiles(q, k, positions, cache)
+    if tiles is None:
+        return
+    t, hq, hkv, d = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    block_h, block_d, q_blocks, k_blocks = tiles
+    _rope_kernel[(t, q_blocks + k_blocks)](
         q, k, positions, cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         hq, hkv, q_blocks, d // 2, BLOCK_H=block_h, BLOCK_D=block_d,
     )
