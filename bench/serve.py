@@ -31,6 +31,7 @@ from tandem.bench.datasets import (
 )
 from tandem.bench.metrics import RequestRecord, compute_metrics, parse_goodput
 from tandem.bench.serve_args import add_arguments
+from tandem.engine import trace
 
 # Dropped from the saved JSON unless --save-detailed (vLLM's list).
 DETAILED = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts",
@@ -158,6 +159,7 @@ async def run_once(args: argparse.Namespace, url: str, model: str,
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         start = time.perf_counter()
+        trace.mark("bench", "bench.start")
 
         async def one(i: int) -> None:
             await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
@@ -173,6 +175,7 @@ async def run_once(args: argparse.Namespace, url: str, model: str,
 
         await asyncio.gather(*(one(i) for i in range(len(requests))))
         duration = time.perf_counter() - start
+        trace.mark("bench", "bench.end")
     bar.close()
     return records, duration
 

@@ -9,6 +9,12 @@ and, for the requests in the order their first output was made on the decode nod
 long that output took to reach the router (`decode.first_chunk` -> `router.first_chunk`):
 when the engine outruns the router, that lag grows through the burst. Times are seconds
 since the engine's first step; `--since`/`--until` (epoch seconds) keep one burst's marks.
+
+`--timeline` instead takes every burst the bench client marked (`bench.start` to
+`bench.end`; an engine stepped offline under `EngineLoop` marks only steps, and its
+bursts are split at the idle gaps) and prints where its time went: the requests'
+arrival at the router and the node, the engine's steps by length (a step over 5 ms is
+an eager one at small shapes), the time between steps, and the tail after the last.
 """
 
 from __future__ import annotations
@@ -40,12 +46,64 @@ def burst(path: Path, since: float = 0.0, until: float = float("inf")) -> dict[s
             "lag_to_router_s": [lag for _, lag in lags]}
 
 
+EAGER_S = 0.005  # a step longer than this is counted as eager (small shapes)
+
+
+def timeline(marks: list[dict[str, Any]]) -> dict[str, float]:
+    """One burst's phases, in seconds from its start (the bench's, else the first step's)."""
+    at = defaultdict(list)
+    for m in marks:
+        at[m["at"]].append(m["t"])
+    begins, ends = at["step.begin"], at["step.end"]
+    start = at["bench.start"][0] if at["bench.start"] else begins[0]
+    steps = [e - b for b, e in zip(begins, ends)]
+    eager = [s for s in steps if s > EAGER_S]
+    short = [s for s in steps if s <= EAGER_S]
+    row = {"first_step": begins[0] - start, "last_step_end": ends[-1] - start,
+           "steps": len(steps), "eager_steps": len(eager), "eager_s": sum(eager),
+           "short_steps_s": sum(short),
+           "median_short_ms": 1000 * statistics.median(short) if short else 0.0,
+           "between_steps_s": sum(b - e for e, b in zip(ends, begins[1:]))}
+    for point in ("router.request", "decode.generate"):
+        if at[point]:
+            row[f"first_{point}"] = min(at[point]) - start
+            row[f"last_{point}"] = max(at[point]) - start
+    if at["bench.end"]:
+        row["end"] = at["bench.end"][-1] - start
+    return row
+
+
+def bursts(path: Path, idle_s: float = 0.3) -> list[list[dict[str, Any]]]:
+    """The trace's bursts: from each `bench.start` to its `bench.end`, or, with no bench
+    marks, runs of steps split where the engine idled for `idle_s`."""
+    marks = sorted((json.loads(line) for line in path.read_text().splitlines()
+                    if line.strip()), key=lambda m: m["t"])
+    starts = [m["t"] for m in marks if m["at"] == "bench.start"]
+    if starts:
+        stops = [m["t"] for m in marks if m["at"] == "bench.end"]
+        return [[m for m in marks if a <= m["t"] <= b] for a, b in zip(starts, stops)]
+    out: list[list[dict[str, Any]]] = []
+    last = float("-inf")
+    for m in marks:
+        if m["t"] - last > idle_s:
+            out.append([])
+        out[-1].append(m)
+        last = m["t"]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", type=Path)
     p.add_argument("--since", type=float, default=0.0, help="epoch seconds (default: all)")
     p.add_argument("--until", type=float, default=float("inf"), help="epoch seconds")
+    p.add_argument("--timeline", action="store_true", help="every burst's phases")
     args = p.parse_args()
+    if args.timeline:
+        for marks in bursts(args.trace):
+            if any(m["at"] == "step.end" for m in marks):
+                print(json.dumps({k: round(v, 4) for k, v in timeline(marks).items()}))
+        return
     b = burst(args.trace, args.since, args.until)
     print(f"{b['steps']} engine steps in {b['engine_span_s']:.3f} s, median step "
           f"{b['median_step_ms']:.2f} ms")

@@ -36,6 +36,10 @@ class RequestOutput:
         """The output tokens from index `start` on."""
         return self._token_ids[start:self.num_tokens]
 
+    def token_at(self, i: int) -> int:
+        """Output token i (< num_tokens)."""
+        return self._token_ids[i]
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -8,7 +8,11 @@ steps while requests are unfinished and hands each request's outputs to its list
     ...
     loop.close()
 
-A listener runs on the loop thread and must not block. `add_stage(fn)` has the loop run
+A listener runs on the loop thread and must not block. A listener that carries a `sink`
+(a `StepSink`: many requests' outputs gathered into one message) gets a step's outputs
+with every other listener of that sink's, in one `sink.take(items)` call: a step has an
+output per running request, and at this rate a call per output is a step's host time.
+`add_stage(fn)` has the loop run
 `fn(engine)` after each round of calls and before each step: a role's queue that waits
 for the engine's blocks moves there (the decode role's prealloc queue). `add_flush(fn)`
 has it run `fn(idle)` once the outputs of a step (or of a round of calls) are delivered:
@@ -34,7 +38,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from tandem.engine import trace
 from tandem.engine.llm_engine import LLMEngine, bind_thread
@@ -44,6 +48,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Listener = Callable[[RequestOutput | BaseException], None]
+
+
+class StepSink(Protocol):
+    def take(self, items: list[tuple[Listener, RequestOutput]]) -> None:
+        """A step's outputs of the requests whose listeners carry this sink, in the
+        step's order, with those listeners; on the loop thread."""
 
 _IDLE_WAIT_S = 0.05  # an idle loop wakes this often to look at `closed`
 
@@ -237,19 +247,32 @@ class EngineLoop:
             self._deliver(request_id, exc, True)
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs to their listeners: `_deliver` for each, the listeners taken
-        under one hold of the lock (a step has an output per running request)."""
+        """A step's outputs to their listeners: the listeners taken under one hold of the
+        lock, and those that carry a sink handed over together, one call per sink."""
         with self._lock:
             get, pop = self._listeners.get, self._listeners.pop
             listeners = [pop(out.request_id, None) if out.finish_reason is not None
                          else get(out.request_id) for out in outputs]
+        sinks: dict[StepSink, list[tuple[Listener, RequestOutput]]] = {}
         for out, listener in zip(outputs, listeners):
             if listener is None:
+                continue
+            sink = getattr(listener, "sink", None)
+            if sink is not None:
+                items = sinks.get(sink)
+                if items is None:
+                    items = sinks[sink] = []
+                items.append((listener, out))
                 continue
             try:
                 listener(out)
             except Exception:  # noqa: BLE001 - one listener must not stop the loop
                 log.exception("listener of %s failed", out.request_id)
+        for sink, items in sinks.items():
+            try:
+                sink.take(items)
+            except Exception:  # noqa: BLE001 - as a listener's
+                log.exception("step sink %s failed", sink)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException, last: bool) -> None:
         with self._lock:

@@ -187,7 +187,8 @@ class ColumnOutbox:
     hands them to `send(subscriber, message)`, at most once per `interval_s` while the
     engine steps (the stream interval: a request's tokens of the steps between go as one
     chunk, and every hop after pays per chunk, not per token); `batches` only opens the
-    stream and holds it until `close()`. The same listener and `closed` as `Outbox`."""
+    stream and holds it until `close()`. Its listeners carry it as their sink
+    (`ColumnListener`); `closed` as `Outbox`'s."""
 
     def __init__(self, subscriber: str, bridge: Bridge,
                  send: Callable[[str, bytes], None], interval_s: float = 0.0) -> None:
@@ -198,13 +199,29 @@ class ColumnOutbox:
         self._sent_at = float("-inf")  # time.monotonic() of the last send
         self.closed = asyncio.Event()
 
-    def listener(self, chunks: Chunks):  # noqa: ANN201 - a Listener
-        def on_output(out: Output) -> None:  # on the engine thread
-            if isinstance(out, BaseException):
-                self._bridge.post(chunks.fail, out)
-            elif not self.closed.is_set():
-                self._columns.add(chunks, out)
-        return on_output
+    def listener(self, chunks: Chunks) -> ColumnListener:
+        return ColumnListener(self, chunks)
+
+    def take(self, items: list[tuple[ColumnListener, RequestOutput]]) -> None:
+        """On the engine thread: a step's outputs into the columns. Most are one more
+        token of a running request that has had its first chunk: four appends."""
+        if self.closed.is_set():
+            return
+        columns = self._columns
+        ids, nums, tokens, texts = (columns.request_ids, columns.num_tokens,
+                                    columns.token_ids, columns.texts)
+        for listener, out in items:
+            chunks = listener.chunks
+            sent = chunks.sent
+            if (out.num_tokens != sent + 1 or out.finish_reason is not None
+                    or chunks.head is not None):
+                columns.add(chunks, out)
+                continue
+            ids.append(chunks.request_id)
+            nums.append(1)
+            tokens.append(out.token_at(sent))
+            texts.append(out.delta)
+            chunks.sent = sent + 1
 
     def flush(self, idle: bool = True) -> None:
         """On the engine thread, after a step: send what the steps since the last send
@@ -229,3 +246,19 @@ class ColumnOutbox:
         yield pb.OutputBatch()  # open
         await self.closed.wait()
 
+
+class ColumnListener:
+    """A request's listener on a `ColumnOutbox`: a step's outputs reach the outbox
+    together (`sink.take`, by the engine loop); this call takes one alone (a request's
+    first output, its abort, or its failure)."""
+
+    __slots__ = ("sink", "chunks")
+
+    def __init__(self, sink: ColumnOutbox, chunks: Chunks) -> None:
+        self.sink, self.chunks = sink, chunks
+
+    def __call__(self, out: Output) -> None:  # on the engine thread
+        if isinstance(out, BaseException):
+            self.sink._bridge.post(self.chunks.fail, out)
+        else:
+            self.sink.take([(self, out)])

@@ -20,9 +20,13 @@ import grpc
 import pytest
 from serving_helpers import completion_token_ids, tandem_up
 
+from tandem.engine.config import EngineConfig, SchedulerConfig
+from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestOutput
+from tandem.engine.sampling_params import SamplingParams
 from tandem.node.aio import Bridge, new_event_loop
 from tandem.node.front import merge_columns
+from tandem.node.loop import EngineLoop
 from tandem.node.outbox import Chunks, ColumnOutbox
 from tandem.protos import node_pb2 as pb
 from tandem.protos import node_pb2_grpc as pb_grpc
@@ -90,6 +94,60 @@ def test_a_column_outbox_sends_each_step_then_ends_its_finished_calls() -> None:
         ends=[pb.GenerateChunk(request_id="a", finish_reason="stop", prompt_tokens=3,
                                completion_tokens=2, cached_tokens=2)])
     assert not chunks["b"].done.is_set()
+
+
+def test_an_engine_loop_hands_a_steps_outputs_to_a_column_outbox_at_once() -> None:
+    """The engine loop gives a sink's listeners their step's outputs in one `take` call;
+    the columns it sends carry every request's tokens once, in order, its head first and
+    its end last, the same tokens a plain listener got for the same prompt."""
+    engine = LLMEngine(EngineConfig(model="tiny", load_format="dummy", device="cpu",
+                                    enforce_eager=True, skip_tokenizer_init=True,
+                                    scheduler=SchedulerConfig(max_num_seqs=8)))
+    aio = new_event_loop()
+    thread = threading.Thread(target=aio.run_forever, daemon=True)
+    thread.start()
+    sent: list[pb.OutputColumns] = []
+    outbox = ColumnOutbox("r1", Bridge(aio), lambda _, m: sent.append(
+        pb.OutputColumns.FromString(m)))
+    takes: list[int] = []
+    take = outbox.take
+    outbox.take = lambda items: (takes.append(len(items)), take(items))[1]
+    loop = EngineLoop(engine)
+    loop.add_flush(outbox.flush)
+    prompts = {f"r{i}": [3 + i, 40, 41 + 2 * i, 9] for i in range(5)}
+    lengths = {"r0": 1, "r1": 3, "r2": 17, "r3": 17, "r4": 9}
+    plain: dict[str, list[RequestOutput]] = {"plain-r2": []}
+    try:
+        starts = []
+        for rid, prompt in [*prompts.items(), ("plain-r2", prompts["r2"])]:
+            req = engine.validate_request(rid, prompt, SamplingParams(
+                temperature=0.0, max_tokens=lengths.get(rid, 17), ignore_eos=True))
+            listener = (plain[rid].append if rid in plain else outbox.listener(
+                Chunks(rid, pb.GenerateChunk(queued_s=0.25) if rid != "r3" else None)))
+            starts.append(loop.start(rid, listener, lambda e, req=req: e.add(req)))
+        for started in starts:
+            started.result(30)
+        deadline = time.monotonic() + 60
+        while not plain["plain-r2"] or not plain["plain-r2"][-1].finished:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        while sum(len(m.ends) for m in sent) < len(prompts):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        loop.close()
+        aio.call_soon_threadsafe(aio.stop)
+        thread.join(5)
+    assert max(takes) > 1  # a step's outputs went in one call
+    chunks = {c.request_id: c for c in merge_columns(sent).chunks}
+    assert sorted(chunks) == sorted(prompts)
+    for rid, chunk in chunks.items():
+        assert len(chunk.token_ids) == lengths[rid] == chunk.completion_tokens
+        assert chunk.finish_reason == "length" and chunk.prompt_tokens == 4
+        assert chunk.queued_s == (0.0 if rid == "r3" else 0.25)
+    assert list(chunks["r2"].token_ids) == plain["plain-r2"][-1].token_ids
+    heads = [h.request_id for m in sent for h in m.heads]
+    assert sorted(heads) == ["r0", "r1", "r2", "r4"]  # once each
 
 
 def test_a_column_outbox_with_an_interval_holds_steps_but_not_first_tokens() -> None:
