@@ -50,10 +50,13 @@ EAGER_S = 0.005  # a step longer than this is counted as eager (small shapes)
 
 
 def timeline(marks: list[dict[str, Any]]) -> dict[str, float]:
-    """One burst's phases, in seconds from its start (the bench's, else the first step's)."""
+    """One burst's phases, in seconds from its start (the bench's, else the first step's).
+    Steps are the decode node's (1P1D's prefill node marks its own steps too)."""
+    decode = {m["pid"] for m in marks if m["at"] == "decode.generate"}
     at = defaultdict(list)
     for m in marks:
-        at[m["at"]].append(m["t"])
+        if m["rid"] != "step" or not decode or m["pid"] in decode:
+            at[m["at"]].append(m["t"])
     begins, ends = at["step.begin"], at["step.end"]
     start = at["bench.start"][0] if at["bench.start"] else begins[0]
     steps = [e - b for b, e in zip(begins, ends)]
@@ -64,7 +67,7 @@ def timeline(marks: list[dict[str, Any]]) -> dict[str, float]:
            "short_steps_s": sum(short),
            "median_short_ms": 1000 * statistics.median(short) if short else 0.0,
            "between_steps_s": sum(b - e for e, b in zip(ends, begins[1:]))}
-    for point in ("router.request", "decode.generate"):
+    for point in ("router.request", "front.generate", "decode.generate"):
         if at[point]:
             row[f"first_{point}"] = min(at[point]) - start
             row[f"last_{point}"] = max(at[point]) - start

@@ -30,6 +30,7 @@ import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 # Light imports only: this process never loads torch or the engine.
+from tandem.engine import trace
 from tandem.node import auth
 from tandem.node.auth import CLUSTER_SECRET_ENV
 from tandem.protos import node_pb2 as pb
@@ -183,6 +184,7 @@ class Front:
         "the last chunk is on its way", and that stream may be behind)."""
         msg = pb.GenerateRequest.FromString(request)
         key = (msg.subscriber.encode(), msg.request.request_id)
+        trace.mark(msg.request.request_id, "front.generate")
         sent = None
         if msg.subscriber and key not in self._sent:  # a second one of the id is refused
             sent = self._sent[key] = self.aio.create_future()

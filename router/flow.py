@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from tandem.engine import trace
 from tandem.node.timeouts import TIMEOUTS, Timeouts
 from tandem.protos import node_pb2 as pb
 from tandem.router.admission import DecodeQueue
@@ -237,19 +238,15 @@ class Flow:
         waiting: asyncio.Queue = asyncio.Queue()
         decode.waiting[rid] = waiting  # before the call: no chunk comes earlier
         msg.subscriber = decode.subscriber
-        call = decode.stub.Generate(msg, timeout=deadline)
+        call = decode.start_generate(msg, deadline)
+        trace.mark(rid, "router.call")
+        aio = asyncio.get_running_loop()
 
-        async def watch() -> None:  # the call carries no chunk: its end, or its error
-            try:
-                async for _ in call:
-                    pass
-                waiting.put_nowait(_CALL_ENDED)
-            except grpc.aio.AioRpcError as exc:
-                waiting.put_nowait(exc)
+        def on_end(call: grpc.Future) -> None:  # on a gRPC thread: the call's end, or error
+            with contextlib.suppress(RuntimeError):  # the router's loop is closed
+                aio.call_soon_threadsafe(waiting.put_nowait, _call_end(call))
 
-        watcher = asyncio.create_task(watch())
-        self._cleanup.add(watcher)
-        watcher.add_done_callback(self._cleanup.discard)
+        call.add_done_callback(on_end)
         finished = False
         held = None  # taken from the queue while merging chunks, not yet handled
         try:
@@ -465,3 +462,13 @@ def _merged(first: pb.GenerateChunk, then: pb.GenerateChunk) -> pb.GenerateChunk
 def _unavailable(why: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
                                 grpc.aio.Metadata(), details=why)
+
+
+def _call_end(call: grpc.Future) -> object:
+    """What a started Generate call's end puts in its request's queue: `_CALL_ENDED`, or
+    its error as the AioRpcError an asyncio call would have raised."""
+    code = call.code()
+    if code == grpc.StatusCode.OK:
+        return _CALL_ENDED
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                call.details())

@@ -75,6 +75,10 @@ class NodeClient:
     secret: bytes | None = None  # the cluster secret its calls carry
     channel: grpc.aio.Channel | None = None  # opened on the event loop that uses it
     stub: auth.AuthedStub = field(init=False)
+    # Generate calls whose chunks come by the Outputs stream start on a synchronous channel
+    # (`start_generate`): a grpc.aio call sends its request from a task of its own, which
+    # in a burst runs only after every other arrival's handler of that loop round.
+    starter: grpc.Channel | None = None
     reachable: bool = False  # its last poll answered, and no call failed since
     health: pb.HealthReply | None = None
     stats: pb.StatsReply | None = None
@@ -98,10 +102,32 @@ class NodeClient:
     def open(self) -> None:
         self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self.stub = auth.AuthedStub(pb_grpc.NodeStub(self.channel), self.secret)
+        self.open_starter()
+
+    def open_starter(self) -> None:
+        self.starter = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._start = self.starter.unary_stream(
+            f"/{pb.DESCRIPTOR.services_by_name['Node'].full_name}/Generate",
+            request_serializer=pb.GenerateRequest.SerializeToString,
+            response_deserializer=pb.GenerateChunk.FromString)
+        self._metadata = None if self.secret is None else (
+            (auth.METADATA_KEY, auth.token(self.secret)),)
+
+    def start_generate(self, msg: pb.GenerateRequest, timeout: float) -> grpc.Future:
+        """A Generate call, its request sent before this returns: a grpc.Future (and
+        grpc.Call) whose callbacks run on a gRPC thread. Only for a call that carries no
+        chunk (they come by the Outputs stream): its messages are never read."""
+        return self._start(msg, timeout=timeout, metadata=self._metadata)
 
     async def close(self) -> None:
         if self.channel is not None:
             await self.channel.close()
+        self.close_starter()
+
+    def close_starter(self) -> None:
+        if self.starter is not None:
+            self.starter.close()
+            self.starter = None
 
     @property
     def state(self) -> str:

@@ -34,6 +34,8 @@ from node_helpers import (  # noqa: F401 - fixtures are found by name in the mod
 from tandem import SamplingParams
 from tandem.node.timeouts import TIMEOUTS, Timeouts
 from tandem.protos import node_pb2 as pb
+from tandem.router.flow import _CALL_ENDED, _call_end
+from tandem.router.pool import NodeClient
 
 
 def test_disaggregated_greedy_output_equals_the_offline_engine(nodes, prompts, expected):  # noqa: ANN001
@@ -395,3 +397,52 @@ def test_a_ready_reservation_nobody_generates_is_freed_when_its_lease_lapses(nod
     assert decode.stats().num_reserved == 1  # ready, waiting for a Generate that never comes
     assert not wait_for(lambda: is_idle(decode), timeout=0.5)
     assert wait_for(lambda: is_idle(decode), timeout=10)
+
+
+
+def test_a_router_started_generate_ends_as_its_call_does(model_path, prompts, expected
+                                                         ):  # noqa: ANN001
+    """The router starts a Generate whose chunks come by its Outputs stream on a
+    synchronous channel (`NodeClient.start_generate`): its end is `_CALL_ENDED` once the
+    chunks went out, and a refusal is the AioRpcError an asyncio call raises, code and
+    details as the node said them."""
+    decode = make_node(model_path, "decode", max_num_seqs=1, max_requests=2)
+    client = NodeClient(decode.service.events.node_id)
+    outputs = decode.stub.Outputs(pb.OutputsRequest(subscriber="r1"), timeout=60)
+    next(outputs)  # open
+
+    def started(rid: str, prompt: list[int]) -> tuple[grpc.Future, threading.Event]:
+        msg = pb.GenerateRequest(request=request_pb(rid, prompt), prefill=prefill_plan(None),
+                                 subscriber="r1")
+        call, ended = client.start_generate(msg, timeout=60), threading.Event()
+        call.add_done_callback(lambda _: ended.set())  # on a gRPC thread
+        return call, ended
+
+    try:
+        client.open_starter()
+        call, ended = started("fine", prompts[0])
+        tokens: list[int] = []
+        while len(tokens) < NEW_TOKENS:
+            for chunk in next(outputs).chunks:
+                assert chunk.request_id == "fine"
+                tokens += chunk.token_ids
+        assert tokens == expected[0]
+        assert ended.wait(30) and _call_end(call) is _CALL_ENDED
+
+        running = _start(decode, "running", prompts[0])  # max_num_seqs=1: the next waits
+        waiting = decode.stub.Generate(pb.GenerateRequest(
+            request=request_pb("waiting", prompts[1], LONG), prefill=prefill_plan(None)),
+            timeout=60)
+        assert wait_for(lambda: decode.stats().num_waiting == 1)
+        refused, ended = started("refused", prompts[2])
+        assert ended.wait(30)
+        end = _call_end(refused)
+        assert isinstance(end, grpc.aio.AioRpcError)
+        assert end.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "holds 2 requests" in end.details()
+        running.cancel()
+        waiting.cancel()
+    finally:
+        outputs.cancel()
+        client.close_starter()
+        close_nodes(decode)
