@@ -66,6 +66,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run every step eagerly instead of replaying CUDA graphs for "
                         "decode-only steps (slower; saves start-up time and graph memory)")
+    g.add_argument("--mixed-cuda-graphs", action="store_true",
+                   help="on CUDA, also replay CUDA graphs for steps that admit prompts beside "
+                        "running decodes (one per token bucket, each for every sequence a "
+                        "step may hold; more start-up time and graph memory)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before reading the previous step's tokens, so the "
                         "host prepares the next step while the GPU computes (default: on for "

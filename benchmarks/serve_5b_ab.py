@@ -32,7 +32,8 @@ import argparse, json, sys
 sys.path.insert(0, "benchmarks")
 from engine_loop import Burst, direct
 args = argparse.Namespace(model="smollm2-135m", load_format="dummy", device="cuda",
-    dtype="bfloat16", num_prompts=256, input_len=128, output_len=256, max_num_seqs=128)
+    dtype="bfloat16", num_prompts=256, input_len=128, output_len=256, max_num_seqs=128,
+    mixed_cuda_graphs=sys.argv[2] == "1")
 b = Burst(args)
 direct(b)
 print(json.dumps([b.tokens / direct(b) for _ in range(int(sys.argv[1]))]))
@@ -46,14 +47,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--offline-bursts", type=int, default=4, help="(default: %(default)s)")
     p.add_argument("--served-bursts", type=int, default=3, help="(default: %(default)s)")
     p.add_argument("--port", type=int, default=8390, help="(default: %(default)s)")
+    p.add_argument("--mixed-cuda-graphs", action="store_true",
+                   help="the offline engine and both `tandem up`s with mixed-step graphs")
     p.add_argument("--up-flags", default="", help="more flags for both `tandem up`s, one "
                    "string (e.g. \"--stream-interval-ms 5\")")
     return p.parse_args()
 
 
-def offline(bursts: int) -> list[float]:
-    done = subprocess.run([sys.executable, "-c", OFFLINE, str(bursts)], capture_output=True,
-                          text=True, check=True)
+def offline(bursts: int, mixed: bool) -> list[float]:
+    done = subprocess.run([sys.executable, "-c", OFFLINE, str(bursts), str(int(mixed))],
+                          capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -88,15 +91,18 @@ def served(flags: list[str], bursts: int, port: int) -> list[dict[str, float]]:
 def main() -> None:
     args = parse_args()
     result: dict[str, object] = {"label": args.label,
-                                 "offline_tok_s": offline(args.offline_bursts)}
+                                 "offline_tok_s": offline(args.offline_bursts,
+                                                          args.mixed_cuda_graphs)}
     print(args.label, "offline", [round(x) for x in result["offline_tok_s"]], flush=True)
     for name, flags in (("colocated", ["--colocated", "1"]),
                         ("1p1d_ipc", ["--connector", "ipc"])):
-        rows = served(flags + args.up_flags.split(), args.served_bursts, args.port)
+        mixed = ["--mixed-cuda-graphs"] if args.mixed_cuda_graphs else []
+        rows = served(flags + mixed + args.up_flags.split(), args.served_bursts, args.port)
         result[name] = rows
         print(args.label, name, [round(r["tok_s"]) for r in rows], "ttft",
               [round(r["median_ttft_ms"]) for r in rows], flush=True)
-    result["offline_after_tok_s"] = offline(max(1, args.offline_bursts - 1))
+    result["offline_after_tok_s"] = offline(max(1, args.offline_bursts - 1),
+                                            args.mixed_cuda_graphs)
     print(args.label, "offline after", [round(x) for x in result["offline_after_tok_s"]],
           flush=True)
     args.json.write_text(json.dumps(result, indent=1))

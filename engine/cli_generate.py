@@ -34,6 +34,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         ),
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        mixed_cuda_graphs=args.mixed_cuda_graphs,
         async_scheduling=args.async_scheduling,
         skip_tokenizer_init=args.skip_tokenizer_init,
         quantization=args.quantization,

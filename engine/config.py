@@ -407,6 +407,9 @@ class EngineConfig:
     attention_backend: str | None = None
     # No CUDA graphs: every step runs eagerly (debugging, or to save their memory).
     enforce_eager: bool = False
+    # CUDA graphs for the steps of several sequences that are not decode-only too
+    # (cuda_graphs.MixedGraphs): off until measured on the GPU.
+    mixed_cuda_graphs: bool = False
     # Launch each step before reading the previous one's tokens, so host work overlaps
     # the GPU's; None: on for CUDA, off on the CPU (where nothing runs alongside).
     async_scheduling: bool | None = None

@@ -5,14 +5,19 @@ launch:
 - steps that compute one prompt's tokens (a prompt, or a chunk of one) and nothing else,
   one graph per token-count bucket (`PrefillGraphs`). At Llama-3-8B's shape a step of a
   few hundred tokens takes longer to launch from Python than to run, and a thread beside
-  the engine's (a KV push) slows the launches further.
+  the engine's (a KV push) slows the launches further;
+- every other step of several sequences (prompts admitted beside running decodes, chunks
+  of several prompts), one graph per token-count bucket, each for every sequence the
+  engine may step at once (`MixedGraphs`). At small shapes such a step took 11-40 ms to
+  launch eagerly, and a burst's admission is a run of them.
 
 A graph reads the runner's step buffer at the offsets its bucket's layout packs to
 (`StepLayout`), and `step_tables[:rows]`. Padding writes the null slot: the rows past a
-decode batch, and in a prefill graph a second sequence holding the tokens past the
-prompt's. Its attention metadata is fixed at capture (the longest context the engine
-allows; a prefill graph's query length is its bucket), so the kernels' grids never
-change: they read the real lengths from the buffer."""
+decode batch, and in a prefill or mixed graph a sequence holding the tokens past the
+step's; a mixed graph's sequences past that one are empty (no query, no context). Its
+attention metadata is fixed at capture (the longest context the engine allows; a prefill
+or mixed graph's query length is its bucket), so the kernels' grids never change: they
+read the real lengths from the buffer."""
 
 from __future__ import annotations
 
@@ -155,17 +160,45 @@ class PrefillGraphs(_Graphs):
         return StepLayout(size, 2, 2, 0), columns, size
 
 
+class MixedGraphs(_Graphs):
+    """A step of n > 1 sequences that is not decode-only, padded to a bucket of T tokens
+    and to `seqs` sequences (`ModelRunner._pack`'s `seqs_to`): the tokens past the step's
+    are one padding sequence on the null row, the sequences past it empty, and the step's
+    sampling rows come first among the `seqs` logits rows. Its attention grid is one of
+    `seqs` sequences and T queries whatever the step holds: the programs of empty
+    sequences and of query tiles past a sequence's end return at once."""
+
+    desc = "capturing mixed graphs"
+
+    def __init__(self, runner: ModelRunner, max_tokens: int, max_seqs: int) -> None:
+        super().__init__(runner, prefill_sizes(max_tokens))
+        self.seqs = max_seqs + 1  # the step's, and the padding sequence
+
+    def _fill(self, size: int) -> tuple[StepLayout, dict[str, object], int]:
+        r, s, half = self.runner, self.seqs, size // 2
+        columns = {"ids": 0, "positions": 0, "slots": r.null_block * r.block_size,
+                   "seq_lens": [half, size - half] + [0] * (s - 2), "rows": NULL_ROW,
+                   "query_start": [0, half] + [size] * (s - 1),
+                   "logits_rows": [half - 1] + [size - 1] * (s - 1)}
+        return StepLayout(size, s, s, 0), columns, size
+
+
 def _replay(graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> torch.Tensor:
     graph.replay()
     return logits
 
 
 def capture_graphs(runner: ModelRunner, max_batch: int, max_tokens: int,
-                   show_progress: bool = True) -> None:
-    """Capture both kinds into one pool and hand them to the runner."""
+                   show_progress: bool = True, mixed: bool = False) -> None:
+    """Capture the kinds into one pool and hand them to the runner (`mixed`: mixed graphs
+    too). `max_batch`: the most sequences a step holds."""
     pool = torch.cuda.graph_pool_handle() if runner.device.type == "cuda" else None
+    if mixed:
+        runner.mixed_graphs = MixedGraphs(runner, max_tokens,
+                                          min(max_batch, runner.max_num_tokens - 1))
+        runner.mixed_graphs.capture(pool, show_progress)  # the largest graphs first
     prefill = PrefillGraphs(runner, max_tokens)
-    prefill.capture(pool, show_progress)  # the largest graphs first
+    prefill.capture(pool, show_progress)
     decode = DecodeGraphs(runner, max_batch)
     decode.capture(pool, show_progress)
     runner.graphs, runner.prefill_graphs = decode, prefill

@@ -163,7 +163,7 @@ class LLMEngine:
         )
         if self.cuda_graphs:
             capture_graphs(self.runner, min(sched.max_num_seqs, sched.max_num_batched_tokens),
-                           sched.max_num_batched_tokens)
+                           sched.max_num_batched_tokens, mixed=config.mixed_cuda_graphs)
         self.async_scheduling = (
             device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
         )

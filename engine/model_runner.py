@@ -8,8 +8,8 @@ Allocated once, updated in place:
   the blocks it gained since its last step are written into it; row 0 is all null;
 - one host buffer (pinned on CUDA) and its device twin holding every per-step input
   (`StepLayout`): one host→device copy per step.
-Decode-only steps, and steps that compute one prompt's tokens, replay a CUDA graph
-(`cuda_graphs.py`) where one is captured.
+Decode-only steps, steps that compute one prompt's tokens, and the other steps of
+several sequences replay a CUDA graph (`cuda_graphs.py`) where one is captured.
 
 `launch` starts a step without waiting for it (async scheduling): its tokens stay on the
 device, and the next step's inputs take them from there (`carry_*`), so the host
@@ -187,10 +187,12 @@ class ModelRunner:
         # The last upload has left the host buffer (set on CUDA after each copy).
         self._uploaded: torch.cuda.Event | None = None
         self._views: dict[StepLayout, dict[str, torch.Tensor]] = {}  # by layout, of buffer
-        # cuda_graphs.DecodeGraphs and PrefillGraphs, set by capture_graphs.
+        # cuda_graphs.DecodeGraphs, PrefillGraphs and MixedGraphs, set by capture_graphs.
         self.graphs = None
         self.prefill_graphs = None
-        # Steps run since start, by how: a decode graph, a prefill graph, or eagerly.
+        self.mixed_graphs = None
+        # Steps run since start, by how: a decode graph, a graph of a step with prompt
+        # tokens (a prefill graph or a mixed one), or eagerly.
         self.steps = {"decode_graph": 0, "prefill_graph": 0, "eager": 0}
         # The last launched step's tokens on the device, the row of each request among
         # them, and two host buffers they are copied to in turn (a step is read back
@@ -302,6 +304,18 @@ class ModelRunner:
                 return logits if sampling else None
         bucket = None
         decode_only = batch.num_tokens == n == len(sampling)
+        if (self.mixed_graphs is not None and 1 < n < self.mixed_graphs.seqs
+                and not decode_only and not (on_layer is not None and layerwise)):
+            bucket = self.mixed_graphs.bucket(batch.num_tokens)
+            if bucket is not None:
+                self._upload(self._pack(batch, pad_to=n, prefill_to=bucket,
+                                        seqs_to=self.mixed_graphs.seqs)[0])
+                self.steps["prefill_graph"] += 1
+                logits = self.mixed_graphs.replay(bucket)[: len(sampling)]
+                if on_layer is not None:
+                    for i in range(self.model.config.num_layers):
+                        on_layer(i)
+                return logits if sampling else None
         if self.graphs is not None and on_layer is None and decode_only:
             bucket = self.graphs.bucket(n)
         layout, max_seq_len = (self._pack_decodes(batch.requests, bucket or n) if decode_only
@@ -324,13 +338,15 @@ class ModelRunner:
             hidden = hidden[views["logits_rows"]]
         return self.model.compute_logits(hidden)
 
-    def _pack(self, batch: ScheduledBatch, pad_to: int,
-              prefill_to: int = 0) -> tuple[StepLayout, int]:
+    def _pack(self, batch: ScheduledBatch, pad_to: int, prefill_to: int = 0,
+              seqs_to: int = 0) -> tuple[StepLayout, int]:
         """Write the step's inputs into the host buffer; rows past the batch, up to
-        `pad_to`, are padding (a decode graph's bucket). `prefill_to` (a prefill graph's
-        bucket, for a step of one request): the tokens past the request's, up to it, are
-        a padding sequence on the null row, and both sequences' last tokens get logits.
-        Returns the layout and the longest context."""
+        `pad_to`, are padding (a decode graph's bucket). `prefill_to` (a prefill or mixed
+        graph's bucket): the tokens past the step's, up to it, are a padding sequence on
+        the null row; for a prefill graph (a step of one request) both sequences' last
+        tokens get logits; for a mixed one, `seqs_to` sequences (the rest empty) and as
+        many logits rows, the step's sampling rows first. Returns the layout and the
+        longest context."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -390,7 +406,14 @@ class ModelRunner:
             seq_lens.append(pad)
             query_start.append(prefill_to)
             rows.append(NULL_ROW)
-            logits_rows = [query_start[1] - 1, prefill_to - 1]
+            if not seqs_to:
+                logits_rows = [query_start[1] - 1, prefill_to - 1]
+            else:
+                empty = seqs_to - len(rows)
+                seq_lens += [0] * empty
+                query_start += [prefill_to] * empty
+                rows += [NULL_ROW] * empty
+                logits_rows += [prefill_to - 1] * (seqs_to - len(logits_rows))
         if len(updates) > self._update_capacity:
             self._write_updates(updates[self._update_capacity :])
             updates = updates[: self._update_capacity]

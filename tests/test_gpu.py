@@ -127,6 +127,32 @@ def test_bf16_triton_agrees_with_torch() -> None:
     assert len(differ) <= 20, f"{len(differ)}/2000 differ"
 
 
+def test_mixed_graphs_give_the_eager_tokens() -> None:
+    """fp32 (TF32 off), the tiny shape, `mixed_cuda_graphs`: a batch of prompts past the
+    token budget and past max_num_seqs, so steps admit prompts (some chunked) beside
+    running decodes: each such step replays a mixed graph, and the tokens are an eager
+    engine's."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10, 500) for _ in range(rng.randrange(2, 300))]
+               for _ in range(24)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 24),
+                             ignore_eos=True) for _ in prompts]
+    kwargs = {"load_format": "dummy", "device": "cuda", "dtype": "float32",
+              "max_num_batched_tokens": 256, "max_num_seqs": 8}
+    eager = LLM("tiny", enforce_eager=True, **kwargs)
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    del eager
+    llm = LLM("tiny", mixed_cuda_graphs=True, **kwargs)
+    graphs = llm.engine.runner.mixed_graphs
+    assert graphs.sizes == [16, 32, 64, 128, 256] and graphs.seqs == 9
+    replayed: list[int] = []
+    replay = graphs.replay
+    graphs.replay = lambda bucket: replayed.append(bucket) or replay(bucket)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert len(replayed) >= 10
+    assert llm.engine.runner.steps["eager"] == 0
+
+
 def test_prefill_graphs_give_the_eager_tokens() -> None:
     """fp32 (TF32 off), the tiny shape: prompts one at a time, of lengths across the
     prefill graphs' buckets, two chunked past max_num_batched_tokens, replay a prefill

@@ -94,6 +94,32 @@ def test_steps_laid_out_as_the_graphs_buckets_give_the_plain_steps_tokens() -> N
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected_batch
 
 
+def test_mixed_steps_laid_out_as_their_graphs_give_the_plain_steps_tokens() -> None:
+    """A batch of prompts past the token budget: each step admits prompts (some chunked)
+    beside the decodes of those before, laid out as a mixed graph's bucket (the tokens
+    and sequences past the step's padding, the rest empty), and every step is a graph's:
+    the tokens of plain steps. Then more prompts than max_num_seqs, so prompts join a
+    full decode batch as others finish."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10, 500) for _ in range(rng.randrange(2, 90))]
+               for _ in range(14)]
+    kwargs = {"load_format": "dummy", "max_num_batched_tokens": 64, "max_num_seqs": 6}
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 12),
+                             ignore_eos=True) for _ in prompts]
+    plain = LLM("tiny", **kwargs)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    llm = LLM("tiny", **kwargs)
+    runner = llm.engine.runner
+    capture_graphs(runner, max_batch=6, max_tokens=64, show_progress=False, mixed=True)
+    assert runner.mixed_graphs.seqs == 7
+    replayed: list[int] = []
+    replay = runner.mixed_graphs.replay
+    runner.mixed_graphs.replay = lambda bucket: replayed.append(bucket) or replay(bucket)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert len(replayed) >= 8 and set(replayed) <= {16, 32, 64}
+    assert runner.steps["eager"] == 0
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 300])
 def test_cpu_linear_matches_torch(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
