@@ -27,7 +27,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.request import Request
 from tandem.kvtransfer.connector import TransferError
 from tandem.node import auth, convert
-from tandem.node.aio import engine_call
+from tandem.node.aio import Bridge, engine_call
 from tandem.node.loop import Listener
 from tandem.node.timeouts import Timeouts
 from tandem.protos import node_pb2 as pb
@@ -50,8 +50,8 @@ class PrefillFailed(Exception):
 
 class Driver:
     def __init__(self, role: DecodeRole, timeouts: Timeouts, connector_name: str,
-                 secret: bytes | None) -> None:
-        self.role, self.timeouts = role, timeouts
+                 secret: bytes | None, bridge: Bridge) -> None:
+        self.role, self.timeouts, self.bridge = role, timeouts, bridge
         self.connector_name, self.secret = connector_name, secret
         self._peers: dict[str, auth.AuthedStub] = {}  # prefill nodes and others, by address
         self._channels: list[grpc.aio.Channel] = []
@@ -66,7 +66,7 @@ class Driver:
         rid = req.request_id
         if first_token is not None:
             await self._arrival(self.role.arrival(rid), self.timeouts.transfer_grace_s)
-            await asyncio.wrap_future(self.role.start(rid, first_token, listener))
+            await self.bridge.wrap(self.role.start(rid, first_token, listener))
             return
         if plan is None or not plan.address or await self._small(req, plan):
             await self._compute_here(req, listener)
@@ -83,7 +83,7 @@ class Driver:
                 await self._arrival(made.arrival, self.timeouts.transfer_grace_s)
                 trace.mark(rid, "decode.arrived")
                 head.prefilled_by = plan.address  # before the first output is made
-                await asyncio.wrap_future(self.role.start(rid, first, listener))
+                await self.bridge.wrap(self.role.start(rid, first, listener))
                 return
             except TransferError as exc:  # the push said done, yet the sink failed
                 if plan.fail_on_error:
@@ -98,7 +98,7 @@ class Driver:
         if self.role.agent.holds(req.request_id):
             await asyncio.to_thread(self.role.drop_sink, req.request_id)
         trace.mark(req.request_id, "decode.compute_here")
-        await asyncio.wrap_future(self.role.compute_here(req, listener))
+        await self.bridge.wrap(self.role.compute_here(req, listener))
 
     async def close(self) -> None:
         for channel in self._channels:

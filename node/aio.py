@@ -16,6 +16,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from tandem.engine.llm_engine import LLMEngine
@@ -43,6 +44,14 @@ class Bridge:
             except RuntimeError:  # closed just now
                 pass
 
+    def wrap(self, future: Future[T]) -> asyncio.Future[T]:
+        """`future`'s outcome on the asyncio loop, brought by `post` (one wake-up for every
+        future an engine round completes), unlike asyncio.wrap_future (one each). Not
+        cancelled with the asyncio future: what it runs, runs."""
+        waiter = self.loop.create_future()
+        future.add_done_callback(lambda done: self.post(_settle, waiter, done))
+        return waiter
+
     def _run(self) -> None:
         with self._lock:
             calls, self._calls = self._calls, []
@@ -51,6 +60,17 @@ class Bridge:
                 fn(*args)
             except Exception:  # noqa: BLE001 - one caller's bug must not drop the rest
                 log.exception("bridged call %s failed", fn)
+
+
+def _settle(waiter: asyncio.Future, done: Future) -> None:
+    if waiter.done():  # cancelled meanwhile
+        return
+    if done.cancelled():
+        waiter.cancel()
+    elif (exc := done.exception()) is not None:
+        waiter.set_exception(exc)
+    else:
+        waiter.set_result(done.result())
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

@@ -35,6 +35,7 @@ class Chunks:
         self.sent = 0  # tokens in the chunks made so far
         self.done = asyncio.Event()
         self.error: BaseException | None = None
+        self.closed = False  # its Outputs stream closed before its last chunk was made
 
     def chunk(self, out: RequestOutput, text: str | None = None,
               into: pb.GenerateChunk | None = None) -> pb.GenerateChunk:
@@ -79,13 +80,43 @@ class CallStream:
         return await self._queue.get()
 
 
-class Outbox:
+class _Stream:
+    """What both kinds of Outputs stream share: `closed`, and the Generate calls that
+    wait for their requests' last chunks to go out on it (`until_done`). On the asyncio
+    loop."""
+
+    def __init__(self, subscriber: str) -> None:
+        self.subscriber = subscriber
+        self.closed = asyncio.Event()
+        self._waiting: set[Chunks] = set()
+
+    async def until_done(self, chunks: Chunks) -> None:
+        """Until the request's last chunk is made (or it failed: `chunks.error`), or this
+        stream closes first (`chunks.closed`)."""
+        if self.closed.is_set():
+            chunks.closed = not chunks.done.is_set()
+            return
+        self._waiting.add(chunks)
+        try:
+            await chunks.done.wait()
+        finally:
+            self._waiting.discard(chunks)
+
+    def close(self) -> None:
+        self.closed.set()
+        for chunks in self._waiting:
+            if not chunks.done.is_set():
+                chunks.closed = True
+                chunks.done.set()
+
+
+class Outbox(_Stream):
     """One subscriber's Outputs stream. `listener(chunks)` is an engine listener that
     queues the request's outputs here; `batches` makes and yields them, in order, as
     `OutputBatch`es until `close()`. Used on the asyncio loop, but for the listeners."""
 
     def __init__(self, subscriber: str, bridge: Bridge) -> None:
-        self.subscriber = subscriber
+        super().__init__(subscriber)
         self._bridge = bridge
         # Every request's outputs since the last batch, in order, appended by the engine
         # thread itself (a deque's append is atomic); `_queued` is set, through the
@@ -95,7 +126,6 @@ class Outbox:
         self._outputs: collections.deque[tuple[Chunks, RequestOutput]] = collections.deque()
         self._waking = False  # a wake-up is posted and has not run yet
         self._queued = asyncio.Event()
-        self.closed = asyncio.Event()
 
     def listener(self, chunks: Chunks):  # noqa: ANN201 - a Listener
         def on_output(out: Output) -> None:  # on the engine thread
@@ -116,7 +146,7 @@ class Outbox:
             self._queued.set()
 
     def close(self) -> None:
-        self.closed.set()
+        super().close()
         self._queued.set()  # wakes the sender
 
     async def batches(self) -> AsyncIterator[pb.OutputBatch]:
@@ -181,7 +211,7 @@ class Columns:
                                 ends=self.ends)
 
 
-class ColumnOutbox:
+class ColumnOutbox(_Stream):
     """An Outputs stream whose batches another process makes (`node/front.py`): the
     engine thread gathers each step's outputs as `Columns` and `flush` (after the step)
     hands them to `send(subscriber, message)`, at most once per `interval_s` while the
@@ -192,12 +222,11 @@ class ColumnOutbox:
 
     def __init__(self, subscriber: str, bridge: Bridge,
                  send: Callable[[str, bytes], None], interval_s: float = 0.0) -> None:
-        self.subscriber = subscriber
+        super().__init__(subscriber)
         self._bridge, self._send = bridge, send
         self._columns = Columns()  # the engine thread's
         self.interval_s = interval_s
         self._sent_at = float("-inf")  # time.monotonic() of the last send
-        self.closed = asyncio.Event()
 
     def listener(self, chunks: Chunks) -> ColumnListener:
         return ColumnListener(self, chunks)
@@ -238,9 +267,6 @@ class ColumnOutbox:
         self._send(self.subscriber, columns.message().SerializeToString())
         for chunks in columns.done:
             self._bridge.post(chunks.done.set)
-
-    def close(self) -> None:
-        self.closed.set()
 
     async def batches(self) -> AsyncIterator[pb.OutputBatch]:
         yield pb.OutputBatch()  # open

@@ -95,7 +95,7 @@ class NodeService(pb_grpc.NodeServicer):
         self._connector = get_connector(connector, **connector_options)
         self.decode = DecodeRole(self.loop, self._connector, transfer_host, self.layout, secret,
                                  transfer_port, advertise_host)
-        self.driver = Driver(self.decode, timeouts, connector, secret)
+        self.driver = Driver(self.decode, timeouts, connector, secret, self.bridge)
         self.prefill = PrefillRole(self.loop, self._connector, self.layout, secret=secret)
         self.puller = Puller(self.decode, self.driver.peer, connector, self.layout,
                              timeouts.pull_s)
@@ -435,19 +435,13 @@ class _Held:
             self.service.decode.abort(self.rid, f"the call ended: {exc!r}")
 
 
-async def _until_done(chunks: Chunks, outbox: Outbox) -> None:
+async def _until_done(chunks: Chunks, outbox: Outbox | ColumnOutbox) -> None:
     """Until the request's last chunk is made; Status if it failed or its Outputs stream
     closed first."""
-    done = asyncio.ensure_future(chunks.done.wait())
-    closed = asyncio.ensure_future(outbox.closed.wait())
-    try:
-        await asyncio.wait((done, closed), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        done.cancel()
-        closed.cancel()
+    await outbox.until_done(chunks)
     if chunks.error is not None:
         raise Status(grpc.StatusCode.INTERNAL, f"generation failed: {chunks.error}")
-    if not chunks.done.is_set():
+    if chunks.closed:
         raise Status(grpc.StatusCode.UNAVAILABLE,
                      f"the Outputs stream {outbox.subscriber!r} closed")
 
