@@ -29,7 +29,8 @@ import torch
 from tqdm import tqdm
 
 from tandem.engine.attention import AttentionMetadata
-from tandem.engine.model_runner import NULL_ROW, ModelRunner, StepLayout
+from tandem.engine.model_runner import NULL_ROW, ModelRunner
+from tandem.engine.step_layout import StepLayout
 
 # Prefill graphs go up to this many tokens: past it a step's compute dwarfs its launches.
 PREFILL_GRAPH_MAX_TOKENS = 2048

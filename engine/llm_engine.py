@@ -28,6 +28,7 @@ from tandem.engine.block_pool import BlockPool, EventHook
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import capture_graphs
 from tandem.engine.host_tier import HostTier, block_bytes
+from tandem.engine.kv_budget import num_kv_blocks
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.loader import (
     gguf_matrix_types,
@@ -37,7 +38,7 @@ from tandem.engine.loader import (
     load_weights,
     resolve_model,
 )
-from tandem.engine.model_runner import ModelRunner, SampledTokens, num_kv_blocks
+from tandem.engine.model_runner import ModelRunner, SampledTokens
 from tandem.engine.models import model_class
 from tandem.engine.ops import ops_for
 from tandem.engine.output_processor import OutputProcessor

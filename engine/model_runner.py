@@ -18,9 +18,6 @@ prepares step N+1 while the GPU computes step N.
 
 from __future__ import annotations
 
-import functools
-import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,97 +25,13 @@ import numpy as np
 import torch
 
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
-from tandem.engine.config import CacheConfig, ModelConfig
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.request import PENDING_TOKEN, Request
 from tandem.engine.sampler import Sampler, SamplerOutput
 from tandem.engine.scheduler import ScheduledBatch
-
-log = logging.getLogger(__name__)
+from tandem.engine.step_layout import SECTION_ALIGN, StepLayout
 
 NULL_ROW = 0
-
-
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
-
-
-def num_kv_blocks(
-    config: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
-) -> int:
-    if cache.num_blocks is not None:
-        return cache.num_blocks
-    per_block = kv_block_bytes(config, cache.block_size, dtype)
-    if device.type == "cuda":
-        budget = _cuda_kv_budget(cache.kv_cache_memory_fraction, device)
-    else:
-        budget = cache.kv_cache_bytes
-    blocks = int(budget // per_block) - 1  # one more is the null block
-    if blocks < 1:
-        raise ValueError(f"no memory left for the KV cache ({budget / 2**20:.0f} MiB budget)")
-    return blocks
-
-
-# What a CUDA process holds outside PyTorch's allocator (its context, cuBLAS and NCCL
-# workspaces, CUDA graphs' pools beyond the allocator's): kept out of the KV budget.
-NON_TORCH_BYTES = 1 << 30
-_NEIGHBOUR_WAIT_S = 120.0  # a neighbour loading its weights may hold more for this long
-
-
-def _cuda_kv_budget(fraction: float, device: torch.device) -> int:
-    """This process's share of the device (`fraction`: other nodes placed on it hold
-    theirs) less what it holds already, sized from the share, never from what happens
-    to be free while a neighbour loads. What loading left in the caching allocator is
-    released first. If the device has less free than that (a neighbour still loading,
-    or holding more than its share), wait a while for it, then take what is free."""
-    torch.cuda.empty_cache()
-    total = torch.cuda.mem_get_info(device)[1]
-    budget = int(fraction * total) - torch.cuda.memory_reserved(device) - NON_TORCH_BYTES
-    deadline = time.monotonic() + _NEIGHBOUR_WAIT_S
-    while (free := torch.cuda.mem_get_info(device)[0]) < budget:
-        if time.monotonic() > deadline:
-            log.warning("%.1f GiB free on %s, under this node's share (%.1f GiB): the KV "
-                        "cache takes what is free", free / 2**30, device, budget / 2**30)
-            return free - (256 << 20)
-        time.sleep(1.0)
-    return budget
-
-
-SECTION_ALIGN = 16  # int32s (64 bytes): where each section of a step's inputs starts
-
-
-@dataclass(frozen=True)
-class StepLayout:
-    """Where each input of a step lies in the step buffer: sections packed one after
-    another, so a CUDA graph captured for a decode batch of B rows finds its inputs at the
-    same offsets every time (T = B = S there). Each section starts on a multiple of
-    `SECTION_ALIGN` elements: Triton compiles a kernel once per alignment of its pointers, so
-    sections at offsets that follow the step's sizes would compile new kernels in the
-    middle of serving (0.1-1 s each on a cold cache)."""
-
-    num_tokens: int  # T
-    num_seqs: int  # B
-    num_logits: int  # S: rows whose logits are sampled
-    num_updates: int  # K: block-table entries written this step
-    num_carries: int = 0  # C: input ids taken from the last launched step's tokens
-
-    @functools.cached_property  # packed and then viewed each step: computed once
-    def offsets(self) -> dict[str, tuple[int, int]]:
-        t, b, s, k, c = (self.num_tokens, self.num_seqs, self.num_logits, self.num_updates,
-                         self.num_carries)
-        sizes = {"ids": t, "positions": t, "slots": t, "seq_lens": b, "query_start": b + 1,
-                 "rows": b, "logits_rows": s, "update_at": k, "update_to": k,
-                 "carry_to": c, "carry_from": c}
-        out, at = {}, 0
-        for name, n in sizes.items():
-            out[name] = (at, at + n)
-            at += -(-n // SECTION_ALIGN) * SECTION_ALIGN
-        return out
-
-    @property
-    def size(self) -> int:
-        return self.offsets["carry_from"][1]
 
 
 @dataclass(eq=False)

@@ -17,7 +17,7 @@ from triton_interpreter import HAS_TRITON
 
 from tandem import LLM, SamplingParams
 from tandem.engine.config import NAMED_SHAPES, CacheConfig
-from tandem.engine.model_runner import num_kv_blocks
+from tandem.engine.kv_budget import num_kv_blocks
 
 pytestmark = [
     pytest.mark.gpu,

@@ -20,7 +20,7 @@ from triton_interpreter import HAS_TRITON, run_under_interpreter
 from tandem import LLM, SamplingParams
 from tandem.engine.block_hash import hash_prompt, root_hash
 from tandem.engine.config import NAMED_SHAPES, CacheConfig
-from tandem.engine.model_runner import kv_block_bytes
+from tandem.engine.kv_budget import kv_block_bytes
 from tandem.kernels.kv_store import quantize_ref, read_kv_ref, store_kv_ref
 from tandem.kernels.paged_attention import paged_attention_ref
 from tandem.kvtransfer.connector import get_connector

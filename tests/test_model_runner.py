@@ -14,7 +14,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.engine.cpu_linear import linear, mkl_rows
 from tandem.engine.cuda_graphs import capture_graphs, prefill_sizes
-from tandem.engine.model_runner import SECTION_ALIGN, StepLayout
+from tandem.engine.step_layout import SECTION_ALIGN, StepLayout
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
