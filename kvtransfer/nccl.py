@@ -71,7 +71,8 @@ from tandem.kvtransfer.connector import (
 from tandem.kvtransfer.messages import ABORT, NCCL_HELLO, NCCL_WELCOME
 from tandem.kvtransfer.nccl_group import RECEIVER_RANK, SENDER_RANK, PairGroup
 from tandem.kvtransfer.nccl_sender import NcclLink, NcclSender
-from tandem.kvtransfer.tcp import TcpConnector, TcpReceiver, TcpSender
+from tandem.kvtransfer.tcp import TcpConnector, TcpReceiver
+from tandem.kvtransfer.tcp_links import TcpSender
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from tandem.kvtransfer.connector import (
     payload_header,
 )
 from tandem.kvtransfer.nccl_group import PairGroup
-from tandem.kvtransfer.tcp import TcpSender
+from tandem.kvtransfer.tcp_links import TcpSender
 
 if TYPE_CHECKING:
     from tandem.kvtransfer.nccl import NcclConnector
