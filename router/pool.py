@@ -24,7 +24,7 @@ import asyncio
 import logging
 import random
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -79,6 +79,9 @@ class NodeClient:
     # (`start_generate`): a grpc.aio call sends its request from a task of its own, which
     # in a burst runs only after every other arrival's handler of that loop round.
     starter: grpc.Channel | None = None
+    _start: Callable[..., grpc.Future] | None = field(default=None, init=False, repr=False)
+    _metadata: tuple[tuple[str, str], ...] | None = field(default=None, init=False,
+                                                          repr=False)
     reachable: bool = False  # its last poll answered, and no call failed since
     health: pb.HealthReply | None = None
     stats: pb.StatsReply | None = None
