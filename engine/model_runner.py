@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ from tandem.engine.request import PENDING_TOKEN, Request
 from tandem.engine.sampler import Sampler, SamplerOutput
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.step_layout import SECTION_ALIGN, StepLayout
+
+if TYPE_CHECKING:
+    from tandem.engine.cuda_graphs import _Graphs
 
 NULL_ROW = 0
 
@@ -204,31 +208,19 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         """The logits of the sampling rows, [len(sampling), V]; None if none sample."""
         n = len(batch.requests)
-        if self.prefill_graphs is not None and n == 1 < batch.num_tokens and not (
-                on_layer is not None and layerwise):
-            bucket = self.prefill_graphs.bucket(batch.num_tokens)
-            if bucket is not None:
-                self._upload(self._pack(batch, pad_to=1, prefill_to=bucket)[0])
-                self.steps["prefill_graph"] += 1
-                logits = self.prefill_graphs.replay(bucket)  # [1, V]: the request's
-                if on_layer is not None:
-                    for i in range(self.model.config.num_layers):
-                        on_layer(i)
-                return logits if sampling else None
-        bucket = None
         decode_only = batch.num_tokens == n == len(sampling)
-        if (self.mixed_graphs is not None and 1 < n < self.mixed_graphs.seqs
-                and not decode_only and not (on_layer is not None and layerwise)):
-            bucket = self.mixed_graphs.bucket(batch.num_tokens)
-            if bucket is not None:
-                self._upload(self._pack(batch, pad_to=n, prefill_to=bucket,
-                                        seqs_to=self.mixed_graphs.seqs)[0])
-                self.steps["prefill_graph"] += 1
-                logits = self.mixed_graphs.replay(bucket)[: len(sampling)]
-                if on_layer is not None:
-                    for i in range(self.model.config.num_layers):
-                        on_layer(i)
-                return logits if sampling else None
+        graph = (None if decode_only or (on_layer is not None and layerwise)
+                 else self._prompt_graph(batch))
+        if graph is not None:
+            graphs, bucket, seqs = graph
+            self._upload(self._pack(batch, pad_to=n, prefill_to=bucket, seqs_to=seqs)[0])
+            self.steps["prefill_graph"] += 1
+            logits = graphs.replay(bucket)[: len(sampling)]  # the sampling rows come first
+            if on_layer is not None:
+                for i in range(self.model.config.num_layers):
+                    on_layer(i)
+            return logits if sampling else None
+        bucket = None
         if self.graphs is not None and on_layer is None and decode_only:
             bucket = self.graphs.bucket(n)
         layout, max_seq_len = (self._pack_decodes(batch.requests, bucket or n) if decode_only
@@ -250,6 +242,20 @@ class ModelRunner:
         if layout.num_logits != layout.num_tokens:
             hidden = hidden[views["logits_rows"]]
         return self.model.compute_logits(hidden)
+
+    def _prompt_graph(self, batch: ScheduledBatch) -> tuple[_Graphs, int, int] | None:
+        """For a step with prompt tokens: the prefill graph (one request) or the mixed
+        graph (several) whose bucket holds it, that bucket, and the sequences the graph
+        lays out (`_pack`'s `seqs_to`; 0 for a prefill graph); None if none does."""
+        n, mixed = len(batch.requests), self.mixed_graphs
+        if n == 1 and self.prefill_graphs is not None and batch.num_tokens > 1:
+            graphs, seqs = self.prefill_graphs, 0
+        elif n > 1 and mixed is not None and n < mixed.seqs:
+            graphs, seqs = mixed, mixed.seqs
+        else:
+            return None
+        bucket = graphs.bucket(batch.num_tokens)
+        return None if bucket is None else (graphs, bucket, seqs)
 
     def _pack(self, batch: ScheduledBatch, pad_to: int, prefill_to: int = 0,
               seqs_to: int = 0) -> tuple[StepLayout, int]:

@@ -59,8 +59,9 @@ def aio_server_interceptors(secret: bytes | None) -> list[grpc.aio.ServerInterce
 
 
 class AuthedStub:
-    """An asyncio stub whose every call carries the cluster token (the same as a client
-    interceptor, which grpc.aio would run through extra tasks on each call)."""
+    """A stub (asyncio's or a synchronous one) whose every call carries the cluster token
+    (the same as a client interceptor, which grpc.aio would run through extra tasks on
+    each call)."""
 
     def __init__(self, stub: Any, secret: bytes | None) -> None:
         self._stub = stub

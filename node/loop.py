@@ -12,9 +12,9 @@ A listener runs on the loop thread and must not block. A listener that carries a
 (a `StepSink`: many requests' outputs gathered into one message) gets a step's outputs
 with every other listener of that sink's, in one `sink.take(items)` call: a step has an
 output per running request, and at this rate a call per output is a step's host time.
-`add_stage(fn)` has the loop run
-`fn(engine)` after each round of calls and before each step: a role's queue that waits
-for the engine's blocks moves there (the decode role's prealloc queue). `add_flush(fn)`
+`add_stage(fn)` has the loop run `fn(engine)` after each round of calls and before each
+step: a role's queue that waits for the engine's blocks moves there (the decode role's
+prealloc queue). `add_flush(fn)`
 has it run `fn(idle)` once the outputs of a step (or of a round of calls) are delivered:
 listeners that gather a step's outputs send them there, in one message.
 
@@ -54,6 +54,7 @@ class StepSink(Protocol):
     def take(self, items: list[tuple[Listener, RequestOutput]]) -> None:
         """A step's outputs of the requests whose listeners carry this sink, in the
         step's order, with those listeners; on the loop thread."""
+
 
 _IDLE_WAIT_S = 0.05  # an idle loop wakes this often to look at `closed`
 

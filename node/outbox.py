@@ -231,6 +231,10 @@ class ColumnOutbox(_Stream):
     def listener(self, chunks: Chunks) -> ColumnListener:
         return ColumnListener(self, chunks)
 
+    def fail(self, chunks: Chunks, exc: BaseException) -> None:
+        """On the engine thread: the request failed; its Generate call reports it."""
+        self._bridge.post(chunks.fail, exc)
+
     def take(self, items: list[tuple[ColumnListener, RequestOutput]]) -> None:
         """On the engine thread: a step's outputs into the columns. Most are one more
         token of a running request that has had its first chunk: four appends."""
@@ -285,6 +289,6 @@ class ColumnListener:
 
     def __call__(self, out: Output) -> None:  # on the engine thread
         if isinstance(out, BaseException):
-            self.sink._bridge.post(self.chunks.fail, out)
+            self.sink.fail(self.chunks, out)
         else:
             self.sink.take([(self, out)])

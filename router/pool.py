@@ -80,8 +80,6 @@ class NodeClient:
     # in a burst runs only after every other arrival's handler of that loop round.
     starter: grpc.Channel | None = None
     _start: Callable[..., grpc.Future] | None = field(default=None, init=False, repr=False)
-    _metadata: tuple[tuple[str, str], ...] | None = field(default=None, init=False,
-                                                          repr=False)
     reachable: bool = False  # its last poll answered, and no call failed since
     health: pb.HealthReply | None = None
     stats: pb.StatsReply | None = None
@@ -109,18 +107,13 @@ class NodeClient:
 
     def open_starter(self) -> None:
         self.starter = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-        self._start = self.starter.unary_stream(
-            f"/{pb.DESCRIPTOR.services_by_name['Node'].full_name}/Generate",
-            request_serializer=pb.GenerateRequest.SerializeToString,
-            response_deserializer=pb.GenerateChunk.FromString)
-        self._metadata = None if self.secret is None else (
-            (auth.METADATA_KEY, auth.token(self.secret)),)
+        self._start = auth.AuthedStub(pb_grpc.NodeStub(self.starter), self.secret).Generate
 
     def start_generate(self, msg: pb.GenerateRequest, timeout: float) -> grpc.Future:
         """A Generate call, its request sent before this returns: a grpc.Future (and
         grpc.Call) whose callbacks run on a gRPC thread. Only for a call that carries no
         chunk (they come by the Outputs stream): its messages are never read."""
-        return self._start(msg, timeout=timeout, metadata=self._metadata)
+        return self._start(msg, timeout=timeout)
 
     async def close(self) -> None:
         if self.channel is not None:
