@@ -170,6 +170,27 @@ def test_reference_on_a_hand_computed_case() -> None:
     torch.testing.assert_close(out[0, 1], torch.tensor([1.0, 2.0]))
 
 
+def test_the_engines_reference_attends_each_row_over_its_own_context() -> None:
+    """paged_attention_ref's decode rows, in length groups (long, short and in between,
+    a prompt's rows among them), each as decode_attention_ref attends that row alone."""
+    lens = [1800, 40, 700, 3, 1200, 520, 1, 90]
+    q, kv_cache, tables, seq_lens = make_inputs(lens, 3, 64, 2, torch.float32, "cpu", 7)
+    want = torch.cat([decode_attention_ref(q[b:b + 1], kv_cache, tables[b:b + 1],
+                                           seq_lens[b:b + 1], 0.125) for b in range(len(lens))])
+    got = paged_attention_ref(q, kv_cache, tables.long(), lens, list(range(len(lens) + 1)),
+                              0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # Sequence 2's last 4 tokens as a prompt chunk: the other rows keep their answers.
+    chunk = torch.randn(4, *q.shape[1:], generator=torch.Generator().manual_seed(8))
+    mixed_q = torch.cat([q[:2], chunk, q[3:]])
+    starts = [0, 1, 2, 6, *range(7, len(lens) + 4)]
+    mixed = paged_attention_ref(mixed_q, kv_cache, tables.long(), lens, starts, 0.125)
+    alone = paged_attention_ref(chunk, kv_cache, tables[2:3].long(), [700], [0, 4], 0.125)
+    torch.testing.assert_close(mixed[2:6], alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([mixed[:2], mixed[6:]]),
+                               torch.cat([want[:2], want[3:]]), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_wrapper_rejects_layouts_it_cannot_take() -> None:
     q, kv_cache, tables, seq_lens = make_inputs([17], 4, 64, 2, torch.float32, "cpu", 0)
