@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import itertools
 import logging
 import os
@@ -33,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tandem.engine import trace
 from tandem.node import auth
 from tandem.node.auth import CLUSTER_SECRET_ENV
+from tandem.node.gc_freeze import freeze_startup
 from tandem.protos import node_pb2 as pb
 
 log = logging.getLogger("tandem.node.front")
@@ -430,10 +430,7 @@ def main() -> None:
         loop = uvloop.new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
-    # What start-up made lives as long as the process: out of the collector's sight, so
-    # a full collection under load is quick (as the engine's process does).
-    gc.collect()
-    gc.freeze()
+    freeze_startup()
     loop.run_until_complete(serve(args.host, args.port, args.ipc, args.parent))
 
 

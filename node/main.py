@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import signal
 import sys
@@ -15,6 +14,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.kvtransfer.index import get_index
 from tandem.node.auth import CLUSTER_SECRET_ENV, read_secret
 from tandem.node.calls import serve_front
+from tandem.node.gc_freeze import freeze_startup
 from tandem.node.grpc_server import run_until_stopped
 from tandem.node.server import NodeService
 
@@ -49,11 +49,7 @@ def run_node(args: argparse.Namespace) -> int:
     # 5 ms switch interval, each hand-off of a token to a gRPC thread could wait that
     # long for the GIL. 0.5 ms bounds it well under a decode step.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    # What start-up made (torch, the model, the tokenizer: millions of objects) lives as
-    # long as the process: out of the collector's sight, so a full collection under load
-    # stalls the gRPC loop for a millisecond, not a hundred.
-    gc.collect()
-    gc.freeze()
+    freeze_startup()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     # One line a launcher waits for: the role, the model and where to reach the node.

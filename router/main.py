@@ -4,7 +4,6 @@ nodes on this machine, disaggregated or colocated, stopped together on Ctrl-C)."
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import queue
@@ -27,6 +26,7 @@ from tandem.engine.loader import (
     resolve_model,
 )
 from tandem.node.auth import CLUSTER_SECRET_ENV, read_secret
+from tandem.node.gc_freeze import freeze_startup
 from tandem.router.app import RouterSettings, create_app
 from tandem.router.flow import FlowConfig
 from tandem.router.guard import Credentials
@@ -98,8 +98,7 @@ def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     app = create_app(router_settings(args, args.prefill or [], args.decode or [],
                                      args.node or []))
-    gc.collect()
-    gc.freeze()  # start-up's objects out of the collector's sight (see node/main.py)
+    freeze_startup()
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 loop=args.http_loop, http=args.http_parser)
     return 0
@@ -222,8 +221,7 @@ def run_up(args: argparse.Namespace) -> int:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                 loop=args.http_loop, http=args.http_parser)
         server = uvicorn.Server(config)
-        gc.collect()
-        gc.freeze()  # start-up's objects out of the collector's sight (see node/main.py)
+        freeze_startup()
         threading.Thread(target=_announce, args=(server, args), daemon=True).start()
         threading.Thread(target=_watch, args=(watched,), daemon=True,
                          name="watch-nodes").start()
