@@ -50,11 +50,10 @@ def check_paged_inputs(
     return block_size, hkv
 
 
-# A decode row joins a group whose longest context is at most its own length plus this
-# many tokens longer, times two (`DecodeRows.of`): the padding a group's gather and
-# attention carry stays under what a row costs itself, where one group for the whole step
-# padded a batch of short chats beside two 1,700-token prompts to 1,700 keys each (~6x
-# the bytes; SmolLM2's batched test steps on the 2-core CPU: 0.65 s each).
+# A decode row joins a group whose longest context is at most 2 x (its own + this)
+# (`DecodeRows.of`), so a row's padding stays about its own size. One group for the whole
+# step padded short chats beside two 1,700-token prompts to 1,700 keys each (~6x the
+# bytes; SmolLM2's batched test steps on the 2-core CPU: 0.65 s each).
 _PAD_TOKENS = 256
 
 
@@ -72,11 +71,9 @@ class DecodeGroup:
 @dataclass(frozen=True)
 class DecodeRows:
     """The rows of a step with one query each, and what attending them needs; built once
-    per step, used by every layer. `whole`: they are the step's every query, in order, in
-    one group."""
+    per step, used by every layer."""
 
     groups: tuple[DecodeGroup, ...]
-    whole: bool
 
     @classmethod
     def of(
@@ -97,7 +94,7 @@ class DecodeRows:
                 groups.append([b])
         made = tuple(_group(block_tables, seq_lens, query_start, block_size, sorted(g))
                      for g in groups)
-        return cls(made, len(made) == 1 and len(rows) == query_start[-1])
+        return cls(made)
 
 
 def _group(block_tables: torch.Tensor, seq_lens: list[int], query_start: list[int],
@@ -206,7 +203,7 @@ def _decode_batched(
     the rest masked."""
     for g in d.groups:
         o = _decode_group(q, kv_cache, g, scale, k_scale, v_scale).to(out.dtype)
-        if d.whole:
+        if g.queries.shape[0] == out.shape[0]:  # every query of the step, in order
             out.copy_(o)
         else:
             out[g.queries] = o
