@@ -20,10 +20,7 @@ A decode step of a few tokens routes fewer pairs than there are experts: then so
 all overhead (a dozen small kernels a layer, most of a Qwen3-30B-A3B step), so each pair
 is its own row instead (`pair_gemv`: program (pair, column block) reads its expert's
 rows), and the routing is one kernel (`_route_kernel`: softmax, top k by repeated
-argmax, renormalisation). The down projection there takes the SwiGLU in and the sum of a
-token's k pairs out (`_pair_down`: program (token, column block), its k experts in slot
-order, each pair's weighted row rounded as the unfused path stores it), so the experts
-cost three kernels a layer.
+argmax, renormalisation), so the experts cost five kernels a layer.
 """
 
 from __future__ import annotations
@@ -137,7 +134,10 @@ def fused_moe(x: torch.Tensor,  # [T, D], unit last stride
     if tile is None and t * top_k <= e // 2:  # a few tokens: a row per pair, no sorting
         h = torch.empty((t * top_k, two_f), dtype=x.dtype, device=x.device)
         _pair_gemv(x, gate_up, h, None, ids, top_k)
-        return _pair_down(h, down, weights, ids, t, top_k)
+        act = silu_mul(h)
+        y = torch.empty((t * top_k, d), dtype=x.dtype, device=x.device)
+        _pair_gemv(act, down, y, weights, ids, 1)
+        return _sum_pairs(y, t, top_k)
     tile = tile or tiles(t * top_k, e)
     sorted_pairs, block_expert = align(ids, e, tile["BLOCK_M"])
     h = torch.empty((t * top_k, two_f), dtype=x.dtype, device=x.device)
@@ -198,51 +198,7 @@ def _pair_gemv(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if long else 8, num_stages=3)
 
 
-def _pair_down(h: torch.Tensor,  # [T * k, 2F]: each pair's gate and up rows
-               down: torch.Tensor,  # [E, D, F]
-               weights: torch.Tensor, ids: torch.Tensor,  # [T, k]
-               t: int, k: int) -> torch.Tensor:  # [T, D]
-    """sum over slots j of weights[t, j] * silu_mul(h[t * k + j]) @ down[ids[t, j]].T:
-    `silu_mul`, `_pair_gemv` and `_sum_pairs` in one kernel, rounding where they store
-    (the SwiGLU and each pair's weighted row in h's dtype, the sum in fp32), with
-    `_pair_gemv`'s tiles for a down projection."""
-    d, f = down.shape[1], down.shape[2]
-    out = torch.empty((t, d), dtype=h.dtype, device=h.device)
-    if t:
-        block_n = min(16, triton.next_power_of_2(d))
-        block_k = min(256, max(16, triton.next_power_of_2(f)))
-        _pair_down_kernel[(t, triton.cdiv(d, block_n))](
-            h, down, weights, ids, out, d, f, h.stride(0), down.stride(0), down.stride(1),
-            out.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8, num_stages=3)
-    return out
-
-
 if triton is not None:
-
-    @triton.jit
-    def _pair_down_kernel(h, down, weights, ids, out, d, f, h_row, b_expert, b_row, out_row,
-                          K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for j in tl.static_range(K):  # slot order, as _sum_pairs adds them
-            pair = t * K + j
-            expert = tl.load(ids + pair).to(tl.int64)
-            row = h + pair * h_row
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for k0 in range(0, f, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                ok = ks < f
-                gate = tl.load(row + ks, mask=ok, other=0.0).to(tl.float32)
-                up = tl.load(row + f + ks, mask=ok, other=0.0).to(tl.float32)
-                # silu_mul's value, rounded as it stores it
-                x = (gate / (1.0 + tl.exp(-gate)) * up).to(h.dtype.element_ty).to(tl.float32)
-                w = tl.load(down + expert * b_expert + cols[:, None] * b_row + ks[None, :],
-                            mask=(cols[:, None] < d) & ok[None, :], other=0.0)
-                acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
-            acc = acc * tl.load(weights + pair).to(tl.float32)
-            total += acc.to(out.dtype.element_ty).to(tl.float32)  # the pair's row, stored
-        tl.store(out + t * out_row + cols, total.to(out.dtype.element_ty), mask=cols < d)
 
     @triton.jit
     def _route_kernel(logits, weights, ids, row, e, K: tl.constexpr, K_POW2: tl.constexpr,

@@ -61,34 +61,6 @@ def compare() -> None:
         assert err < 1e-4 * max(1.0, want.abs().max().item()), (t, d, f, e, k, err)
 
 
-def compare_pair_down() -> None:
-    """Run under TRITON_INTERPRET=1: the few-token path's down projection (`_pair_down`)
-    gives the bits of the three kernels it fuses (silu_mul, the weighted pair GEMV,
-    the pairs' sum), in fp32 and bf16."""
-    from tandem.kernels.fused_moe import _pair_down, _pair_gemv, _sum_pairs, route_fused
-    from tandem.kernels.silu_mul import silu_mul
-
-    g = torch.Generator().manual_seed(1)
-    for dtype, (t, d, f, e, k) in ((torch.float32, (2, 48, 40, 16, 3)),
-                                   (torch.bfloat16, (2, 48, 40, 16, 3)),
-                                   (torch.bfloat16, (1, 70, 300, 32, 8))):
-        x = torch.randn(t, d, generator=g).to(dtype)
-        gate_up = (torch.randn(e, 2 * f, d, generator=g) / d**0.5).to(dtype)
-        down = (torch.randn(e, d, f, generator=g) / f**0.5).to(dtype)
-        weights, ids = route_fused(torch.randn(t, e, generator=g).to(dtype), k, True)
-        h = torch.empty((t * k, 2 * f), dtype=dtype)
-        _pair_gemv(x, gate_up, h, None, ids, k)
-        y = torch.empty((t * k, d), dtype=dtype)
-        _pair_gemv(silu_mul(h), down, y, weights, ids, 1)
-        assert torch.equal(_pair_down(h, down, weights, ids, t, k), _sum_pairs(y, t, k)), (
-            dtype, t, d, f, e, k)
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
-def test_the_fused_down_projection_gives_the_unfused_bits_under_the_interpreter() -> None:
-    run_under_interpreter("from test_fused_moe import compare_pair_down; compare_pair_down()")
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 def test_fused_moe_matches_the_reference_under_the_interpreter() -> None:
     run_under_interpreter("from test_fused_moe import compare; compare()")
