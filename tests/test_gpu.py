@@ -138,7 +138,7 @@ def test_mixed_graphs_give_the_eager_tokens() -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 24),
                              ignore_eos=True) for _ in prompts]
     kwargs = {"load_format": "dummy", "device": "cuda", "dtype": "float32",
-              "max_num_batched_tokens": 256, "max_num_seqs": 8}
+              "max_num_batched_tokens": 256, "max_num_seqs": 8, "num_kv_blocks": 1024}
     eager = LLM("tiny", enforce_eager=True, **kwargs)
     expected = [o.token_ids for o in eager.generate(prompts, params)]
     del eager
@@ -161,7 +161,7 @@ def test_prefill_graphs_give_the_eager_tokens() -> None:
     prompts = [[rng.randrange(10, 500) for _ in range(n)]
                for n in (2, 15, 16, 17, 40, 100, 255, 300, 600)]
     kwargs = {"load_format": "dummy", "device": "cuda", "dtype": "float32",
-              "max_num_batched_tokens": 256, "max_num_seqs": 8}
+              "max_num_batched_tokens": 256, "max_num_seqs": 8, "num_kv_blocks": 1024}
     eager = LLM("tiny", enforce_eager=True, **kwargs)
     expected = [eager.generate(p, GREEDY)[0].token_ids for p in prompts]
     del eager
