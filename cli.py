@@ -66,10 +66,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run every step eagerly instead of replaying CUDA graphs for "
                         "decode-only steps (slower; saves start-up time and graph memory)")
-    g.add_argument("--mixed-cuda-graphs", action="store_true",
+    g.add_argument("--mixed-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on CUDA, also replay CUDA graphs for steps that admit prompts beside "
                         "running decodes (one per token bucket, each for every sequence a "
-                        "step may hold; more start-up time and graph memory)")
+                        "step may hold): a burst's admission steps are replays, not launches; "
+                        "SmolLM2's shape on an H200: +0.6 s of start-up, +0.6 GiB "
+                        "(default: on)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before reading the previous step's tokens, so the "
                         "host prepares the next step while the GPU computes (default: on for "

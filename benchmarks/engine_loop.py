@@ -48,8 +48,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--output-len", type=int, default=256, help="(default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=128, help="(default: %(default)s)")
-    p.add_argument("--mixed-cuda-graphs", action="store_true",
-                   help="graphs for mixed steps too (tandem up's flag)")
+    p.add_argument("--mixed-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="graphs for mixed steps too (tandem up's flag; default: on)")
     p.add_argument("--repeats", type=int, default=3, help="rounds of the three (default: "
                    "%(default)s)")
     p.add_argument("--modes", default="direct,loop,outbox,drain,columns,across",
@@ -66,7 +66,7 @@ class Burst:
         self.llm = LLM(args.model, dtype=args.dtype, device=args.device,
                        load_format=args.load_format, max_num_seqs=args.max_num_seqs,
                        enable_prefix_caching=False,
-                       mixed_cuda_graphs=getattr(args, "mixed_cuda_graphs", False))
+                       mixed_cuda_graphs=getattr(args, "mixed_cuda_graphs", True))
         self.engine = self.llm.engine
         self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len,
                                      ignore_eos=True)

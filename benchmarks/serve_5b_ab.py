@@ -47,8 +47,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--offline-bursts", type=int, default=4, help="(default: %(default)s)")
     p.add_argument("--served-bursts", type=int, default=3, help="(default: %(default)s)")
     p.add_argument("--port", type=int, default=8390, help="(default: %(default)s)")
-    p.add_argument("--mixed-cuda-graphs", action="store_true",
-                   help="the offline engine and both `tandem up`s with mixed-step graphs")
+    p.add_argument("--mixed-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="the offline engine and both `tandem up`s with mixed-step graphs "
+                        "(default: on, as theirs)")
     p.add_argument("--up-flags", default="", help="more flags for both `tandem up`s, one "
                    "string (e.g. \"--stream-interval-ms 5\")")
     return p.parse_args()
@@ -96,7 +97,7 @@ def main() -> None:
     print(args.label, "offline", [round(x) for x in result["offline_tok_s"]], flush=True)
     for name, flags in (("colocated", ["--colocated", "1"]),
                         ("1p1d_ipc", ["--connector", "ipc"])):
-        mixed = ["--mixed-cuda-graphs"] if args.mixed_cuda_graphs else []
+        mixed = [] if args.mixed_cuda_graphs else ["--no-mixed-cuda-graphs"]
         rows = served(flags + mixed + args.up_flags.split(), args.served_bursts, args.port)
         result[name] = rows
         print(args.label, name, [round(r["tok_s"]) for r in rows], "ttft",

@@ -408,8 +408,9 @@ class EngineConfig:
     # No CUDA graphs: every step runs eagerly (debugging, or to save their memory).
     enforce_eager: bool = False
     # CUDA graphs for the steps of several sequences that are not decode-only too
-    # (cuda_graphs.MixedGraphs): off until measured on the GPU.
-    mixed_cuda_graphs: bool = False
+    # (cuda_graphs.MixedGraphs). SmolLM2's shape on an H200, 256 prompts of 128 -> 256 at
+    # once: the offline engine 94-98k output tok/s with them, 55-79k without.
+    mixed_cuda_graphs: bool = True
     # Launch each step before reading the previous one's tokens, so host work overlaps
     # the GPU's; None: on for CUDA, off on the CPU (where nothing runs alongside).
     async_scheduling: bool | None = None

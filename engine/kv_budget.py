@@ -4,6 +4,7 @@ same device), never from what happens to be free while a neighbour loads."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -45,8 +46,11 @@ def _cuda_kv_budget(fraction: float, device: torch.device) -> int:
     """This process's share of the device (`fraction`: other nodes placed on it hold
     theirs) less what it holds already, sized from the share, never from what happens
     to be free while a neighbour loads. What loading left in the caching allocator is
-    released first. If the device has less free than that (a neighbour still loading,
-    or holding more than its share), wait a while for it, then take what is free."""
+    released first, and so is an engine of this process that nothing reaches any more
+    (its cycles wait for a collection: an `LLM` dropped before the next is built). If the
+    device has less free than that (a neighbour still loading, or holding more than its
+    share), wait a while for it, then take what is free."""
+    gc.collect()
     torch.cuda.empty_cache()
     total = torch.cuda.mem_get_info(device)[1]
     budget = int(fraction * total) - torch.cuda.memory_reserved(device) - NON_TORCH_BYTES

@@ -38,7 +38,7 @@ class LLM:
         max_model_len: int = 8192,
         attention_backend: str | None = None,
         enforce_eager: bool = False,
-        mixed_cuda_graphs: bool = False,
+        mixed_cuda_graphs: bool = True,
         async_scheduling: bool | None = None,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",

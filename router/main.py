@@ -254,8 +254,8 @@ def _engine_flags(args: argparse.Namespace, node: NodePlan) -> list[str]:
         flags += ["--attention-backend", args.attention_backend]
     if args.enforce_eager:
         flags.append("--enforce-eager")
-    if args.mixed_cuda_graphs:
-        flags.append("--mixed-cuda-graphs")
+    if not args.mixed_cuda_graphs:
+        flags.append("--no-mixed-cuda-graphs")
     if args.async_scheduling is not None:
         flags.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     if args.num_kv_blocks is not None:
