@@ -66,7 +66,7 @@ class Burst:
         self.llm = LLM(args.model, dtype=args.dtype, device=args.device,
                        load_format=args.load_format, max_num_seqs=args.max_num_seqs,
                        enable_prefix_caching=False,
-                       mixed_cuda_graphs=getattr(args, "mixed_cuda_graphs", True))
+                       mixed_cuda_graphs=args.mixed_cuda_graphs)
         self.engine = self.llm.engine
         self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len,
                                      ignore_eos=True)
