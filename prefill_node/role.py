@@ -66,7 +66,7 @@ from tandem.kvtransfer.layout import KVLayout
 from tandem.kvtransfer.sender import KVPush
 from tandem.kvtransfer.staging import KVRows
 from tandem.node.loop import EngineLoop
-from tandem.prefill_node.transfer import Target, Transfer, transfer_error
+from tandem.prefill_node.transfer import PushThreads, Target, Transfer, transfer_error
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ class PrefillRole:
         # request ids started here lately (oldest first).
         self._by_id: dict[str, _Pending] = {}
         self._live: set[Transfer] = set()
+        self._threads = PushThreads()
         self._started: dict[str, None] = {}
         self._pulls: set[asyncio.Task] = set()  # prefixes being pulled, then added
         self.kv_bytes_sent = 0
@@ -252,6 +253,7 @@ class PrefillRole:
         deadline = time.monotonic() + _CLOSE_WAIT_S
         for transfer in live:
             transfer.join(max(0.0, deadline - time.monotonic()))
+        self._threads.close()
 
     # -- starting ----------------------------------------------------------------------------
 
@@ -377,7 +379,7 @@ class PrefillRole:
             return KVPush(self.connector, sink, self._rows, src, self.layout,
                           secret=self._secret, all_computed=whole, **self._timeouts)
 
-        transfer = Transfer(pending.target, open_push, self._rows.caches[0].device,
+        transfer = Transfer(self._threads, pending.target, open_push, self._rows.caches[0].device,
                             lambda: pending.deadline,
                             lambda error: self._pushed(pending, transfer, blocks, error),
                             self.layout.num_layers if whole else 0, self._staging)

@@ -1,4 +1,5 @@
-"""One KV push on its own thread (the prefill role's; see `role.py`'s docstring).
+"""One KV push on a thread of its own while it runs (the prefill role's; see `role.py`'s
+docstring), taken from the role's `PushThreads`.
 
 The engine thread hands it each computed layer (`layer_done`, never waiting) and, once
 the prompt's step sampled it, the first token (`sampled`). The thread waits for the
@@ -38,33 +39,93 @@ Target = tuple[SinkInfo, int]
 _Item = tuple[int, torch.cuda.Event | None] | BaseException
 
 
+class PushThreads:
+    """The threads a prefill role's pushes run on, one push a thread at a time. A push
+    goes to an idle thread; when none is idle a new one comes up, started by a thread
+    kept for that, so whoever hands a push over never waits for a thread to start
+    (`Thread.start` returns only once the new thread runs: in a step that completed 16
+    prompts, with the GIL busy, the engine thread's 16 starts took half of its 30 ms, on
+    an H200). A push that waits on a slow receiver holds only its own thread."""
+
+    def __init__(self) -> None:
+        self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._grow: queue.SimpleQueue[bool] = queue.SimpleQueue()  # True: one more
+        self._lock = threading.Lock()
+        # Under _lock: threads with no push (or coming up for one), pushes not yet
+        # taken, threads started or asked for.
+        self._idle = self._waiting = self._threads = 0
+        self._starter = threading.Thread(target=self._start_threads, name="kv-push-starter",
+                                         daemon=True)
+        self._starter.start()
+
+    def submit(self, run: Callable[[], None]) -> None:
+        """Run `run` on a thread of its own. Never waits."""
+        with self._lock:
+            self._waiting += 1
+            grow = self._waiting > self._idle
+            if grow:  # the new thread takes this push, or the next one handed over
+                self._idle += 1
+                self._threads += 1
+        self._work.put(run)
+        if grow:
+            self._grow.put(True)
+
+    def close(self) -> None:
+        """Every thread ends once its push has (those not yet taken run first)."""
+        self._grow.put(False)
+        with self._lock:
+            threads = self._threads
+        for _ in range(threads):
+            self._work.put(None)
+
+    def _start_threads(self) -> None:
+        while self._grow.get():
+            threading.Thread(target=self._serve, name="kv-push", daemon=True).start()
+
+    def _serve(self) -> None:
+        while (run := self._work.get()) is not None:
+            with self._lock:
+                self._waiting -= 1
+                self._idle -= 1
+            try:
+                run()
+            finally:
+                with self._lock:
+                    self._idle += 1
+
+
 class Transfer:
     """One KV push, fed layer by layer from the engine thread; or, with `whole` (the
     number of layers), once, when the last layer is computed."""
 
-    def __init__(self, target: Future[Target], open_push: Callable[[Target], KVPush],
-                 device: torch.device, deadline: Callable[[], float],
+    def __init__(self, threads: PushThreads, target: Future[Target],
+                 open_push: Callable[[Target], KVPush], device: torch.device,
+                 deadline: Callable[[], float],
                  on_end: Callable[[BaseException | None], None], whole: int = 0,
                  staging: threading.Semaphore | None = None) -> None:
-        """`deadline()`: the time.monotonic() the push gives up at (it moves once a late
-        target comes); `staging`: a slot of it is held from the push's open to its end."""
-        self._target, self._open_push = target, open_push
+        """`threads`: where the push runs; `deadline()`: the time.monotonic() the push
+        gives up at (it moves once a late target comes); `staging`: a slot of it is held
+        from the push's open to its end."""
+        self._threads, self._target, self._open_push = threads, target, open_push
         self._device, self._staging = device, staging
         self._first_token: Future[int] = Future()  # the end frame carries it
         self._deadline, self._on_end = deadline, on_end
         self._last = whole - 1  # whole: the one layer handed over (-1: every layer)
         self._items: queue.SimpleQueue[_Item] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="kv-push", daemon=True)
         self._start_lock = threading.Lock()
+        self._submitted = False  # under _start_lock
+        self._ended = threading.Event()  # set once on_end returned
         self.started = 0.0  # time.monotonic(), set by the hook
 
     def start(self) -> None:
-        """The thread starts with the first layer handed over (or a cancellation): by
-        then the step's compute is launched, so neither its start nor its opening of
-        the push holds the GIL while the engine thread launches kernels."""
+        """The push goes to its thread with the first layer handed over (or a
+        cancellation): by then the step's compute is launched, so its opening of the push
+        does not hold the GIL while the engine thread launches kernels."""
         with self._start_lock:
-            if self._thread.ident is None:
-                self._thread.start()
+            if self._submitted:
+                return
+            self._submitted = True
+        self._threads.submit(self._run)
 
     def layer_done(self, layer: int) -> None:
         """Engine thread, as layer `layer`'s KV is written (on CUDA: enqueued): hand it
@@ -93,8 +154,9 @@ class Transfer:
                 future.set_exception(error)
 
     def join(self, timeout: float) -> None:
-        if self._thread.ident is not None:
-            self._thread.join(timeout)
+        """Wait (at most `timeout`) for the push's end, if it was started."""
+        if self._submitted:
+            self._ended.wait(timeout)
 
     # -- on the transfer thread --------------------------------------------------------------
 
@@ -115,7 +177,10 @@ class Transfer:
                         stream.synchronize()
         except BaseException as exc:  # noqa: BLE001 - handed to the role
             error = exc
-        self._on_end(error)
+        try:
+            self._on_end(error)
+        finally:
+            self._ended.set()
 
     def _result(self, future: Future[Any], missing: str) -> Any:
         """`future`'s result by the deadline; TransferError("the prompt's `missing`")."""

@@ -1,0 +1,53 @@
+"""The prefill role's push threads (`prefill_node/transfer.PushThreads`): every push runs,
+each on a thread that is not the caller's; one push that waits holds only its own thread;
+threads are reused once their pushes end; `close` ends them all."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tandem.prefill_node.transfer import PushThreads
+
+
+def _push_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "kv-push"]
+
+
+def _wait_until(condition, timeout_s: float = 10.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_a_waiting_push_holds_only_its_own_thread() -> None:
+    threads = PushThreads()
+    release, ran = threading.Event(), []
+    try:
+        threads.submit(lambda: release.wait(10.0))  # a push stuck on a slow receiver
+        done = [threading.Event() for _ in range(8)]
+        for i, event in enumerate(done):
+            threads.submit(lambda i=i, event=event: (ran.append(
+                (i, threading.current_thread().name)), event.set()))
+        assert all(event.wait(10.0) for event in done), "a push waited behind a stuck one"
+        assert sorted(i for i, _ in ran) == list(range(8))
+        assert {name for _, name in ran} == {"kv-push"}  # never the caller's thread
+    finally:
+        release.set()
+        threads.close()
+
+
+def test_threads_are_reused_and_closed() -> None:
+    before = len(_push_threads())
+    threads = PushThreads()
+    for _ in range(40):  # one at a time: each push finds the last one's thread idle
+        done = threading.Event()
+        threads.submit(done.set)
+        assert done.wait(10.0)
+        assert _wait_until(lambda: threads._idle == threads._threads)  # noqa: SLF001
+    assert len(_push_threads()) - before <= 2
+    threads.close()
+    assert _wait_until(lambda: len(_push_threads()) == before), "close left threads running"
