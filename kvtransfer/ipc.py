@@ -78,6 +78,7 @@ class WriteGuard:
             return
         with torch.cuda.stream(self._stream):
             self.tags.index_fill_(0, index, value)
+        index.record_stream(self._stream)  # made on another stream: kept until this ran
         if wait:
             self._stream.synchronize()
 
