@@ -8,6 +8,10 @@ for two trees in turn on one machine to compare them (these hosts' speed drifts 
    `tandem bench serve` bursts of the same shape at rate inf.
 3. The offline process again.
 
+`--trace DIR` runs each `tandem up` with TANDEM_TRACE (one file per configuration, for
+`burst_trace.py --timeline`) and notes, per burst, the CPU seconds of the bench client and
+of each process `tandem up` started (the router, each node's engine process, its front).
+
     ln -sfn $PWD /tmp/site/tandem && python benchmarks/serve_5b_ab.py new out_new.json
     ln -sfn $PWD/.old /tmp/site/tandem && \
         (cd .old && python ../benchmarks/serve_5b_ab.py old out_old.json)
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -52,6 +57,8 @@ def parse_args() -> argparse.Namespace:
                         "(default: on, as theirs)")
     p.add_argument("--up-flags", default="", help="more flags for both `tandem up`s, one "
                    "string (e.g. \"--stream-interval-ms 5\")")
+    p.add_argument("--trace", type=Path, default=None, help="trace into DIR/<config>.jsonl "
+                   "and note each process's CPU per burst (default: neither)")
     return p.parse_args()
 
 
@@ -61,28 +68,75 @@ def offline(bursts: int, mixed: bool) -> list[float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def served(flags: list[str], bursts: int, port: int) -> list[dict[str, float]]:
+def _processes() -> dict[int, tuple[int, str, float]]:
+    """Every process: pid -> (parent, its command line, its CPU seconds)."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(d.name)] = (int(fields[1]), cmd, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def tree_cpu(root: int) -> dict[str, float]:
+    """The CPU seconds of `root` (the router: `tandem up` serves it) and of every process
+    under it, each named by what it runs."""
+    procs, cpu, todo = _processes(), {}, [root]
+    while todo:
+        pid = todo.pop()
+        _, cmd, seconds = procs.get(pid, (0, "", 0.0))
+        if "tandem.node.front" in cmd:
+            name = "front"
+        elif " node " in cmd:
+            name = "node_" + cmd.split("--role ")[1].split()[0]
+        else:
+            name = "router" if pid == root else cmd[:40]
+        cpu[f"{name}:{pid}"] = seconds
+        todo += [p for p, (parent, _, _) in procs.items() if parent == pid]
+    return cpu
+
+
+def _client_cpu() -> float:
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
+def served(flags: list[str], bursts: int, port: int, trace: Path | None = None
+           ) -> list[dict[str, float]]:
     url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, **({"TANDEM_TRACE": str(trace)} if trace else {}))
     up = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", "--port", str(port),
                            *COMMON, "--skip-tokenizer-init", *flags],
                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                          start_new_session=True)
+                          start_new_session=True, env=env)
     try:
         wait_ok(url, up, timeout_s=300)
         rows = []
         for i in range(bursts + 1):  # the first: a warm-up of 16
             result = Path(f"/tmp/serve_5b_ab_{os.getpid()}.json")
+            before, client = tree_cpu(up.pid), _client_cpu()
             subprocess.run([sys.executable, "-m", "tandem.cli", "bench", "serve",
                             "--base-url", url, "--num-prompts", "256" if i else "16",
                             "--random-input-len", "128", "--random-output-len", "256",
                             "--seed", str(i), "--save-result", "--result-dir",
                             str(result.parent), "--result-filename", result.name,
-                            "--disable-tqdm"], check=True, capture_output=True)
+                            "--disable-tqdm"], check=True, capture_output=True, env=env)
+            client, after = _client_cpu() - client, tree_cpu(up.pid)
             res = json.loads(result.read_text())
             result.unlink()
             if i:
                 rows.append({"tok_s": res["output_throughput"], "completed": res["completed"],
-                             "median_ttft_ms": res["median_ttft_ms"]})
+                             "median_ttft_ms": res["median_ttft_ms"],
+                             "duration_s": res["duration"]})
+                if trace:
+                    rows[-1]["cpu_s"] = {"client": round(client, 3), **{
+                        k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}}
         return rows
     finally:
         os.killpg(up.pid, signal.SIGINT)
@@ -91,6 +145,8 @@ def served(flags: list[str], bursts: int, port: int) -> list[dict[str, float]]:
 
 def main() -> None:
     args = parse_args()
+    if args.trace:
+        args.trace.mkdir(parents=True, exist_ok=True)
     result: dict[str, object] = {"label": args.label,
                                  "offline_tok_s": offline(args.offline_bursts,
                                                           args.mixed_cuda_graphs)}
@@ -98,10 +154,15 @@ def main() -> None:
     for name, flags in (("colocated", ["--colocated", "1"]),
                         ("1p1d_ipc", ["--connector", "ipc"])):
         mixed = [] if args.mixed_cuda_graphs else ["--no-mixed-cuda-graphs"]
-        rows = served(flags + mixed + args.up_flags.split(), args.served_bursts, args.port)
+        trace = args.trace / f"{args.label}_{name}.jsonl" if args.trace else None
+        rows = served(flags + mixed + args.up_flags.split(), args.served_bursts, args.port,
+                      trace)
         result[name] = rows
         print(args.label, name, [round(r["tok_s"]) for r in rows], "ttft",
               [round(r["median_ttft_ms"]) for r in rows], flush=True)
+        for r in rows:
+            if "cpu_s" in r:
+                print("  ", r["duration_s"], r["cpu_s"], flush=True)
     result["offline_after_tok_s"] = offline(max(1, args.offline_bursts - 1),
                                             args.mixed_cuda_graphs)
     print(args.label, "offline after", [round(x) for x in result["offline_after_tok_s"]],
