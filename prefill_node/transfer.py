@@ -45,9 +45,11 @@ class PushThreads:
     kept for that, so whoever hands a push over never waits for a thread to start
     (`Thread.start` returns only once the new thread runs: in a step that completed 16
     prompts, with the GIL busy, the engine thread's 16 starts took half of its 30 ms, on
-    an H200). A push that waits on a slow receiver holds only its own thread."""
+    an H200). A push that waits on a slow receiver holds only its own thread. A thread
+    left idle for `idle_s` ends (a burst's many do not stay)."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_s: float = 30.0) -> None:
+        self._idle_s = idle_s
         self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._grow: queue.SimpleQueue[bool] = queue.SimpleQueue()  # True: one more
         self._lock = threading.Lock()
@@ -83,7 +85,7 @@ class PushThreads:
             threading.Thread(target=self._serve, name="kv-push", daemon=True).start()
 
     def _serve(self) -> None:
-        while (run := self._work.get()) is not None:
+        while (run := self._take()) is not None:
             with self._lock:
                 self._waiting -= 1
                 self._idle -= 1
@@ -92,6 +94,19 @@ class PushThreads:
             finally:
                 with self._lock:
                     self._idle += 1
+
+    def _take(self) -> Callable[[], None] | None:
+        """The next push; None to end (closed, or idle for `idle_s` while the others
+        idle are enough for the pushes handed over)."""
+        while True:
+            try:
+                return self._work.get(timeout=self._idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if self._waiting < self._idle:
+                        self._idle -= 1
+                        self._threads -= 1
+                        return None
 
 
 class Transfer:

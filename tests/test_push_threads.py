@@ -1,6 +1,7 @@
 """The prefill role's push threads (`prefill_node/transfer.PushThreads`): every push runs,
 each on a thread that is not the caller's; one push that waits holds only its own thread;
-threads are reused once their pushes end; `close` ends them all."""
+threads are reused once their pushes end, and end once idle long enough; `close` ends
+them all."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import time
 from tandem.prefill_node.transfer import PushThreads
 
 
-def _push_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "kv-push"]
+def _push_threads(old: frozenset[threading.Thread] = frozenset()) -> list[threading.Thread]:
+    """The push threads running now, but those in `old`."""
+    return [t for t in threading.enumerate() if t.name == "kv-push" and t not in old]
 
 
 def _wait_until(condition, timeout_s: float = 10.0) -> bool:  # noqa: ANN001
@@ -41,13 +43,30 @@ def test_a_waiting_push_holds_only_its_own_thread() -> None:
 
 
 def test_threads_are_reused_and_closed() -> None:
-    before = len(_push_threads())
+    old = frozenset(_push_threads())  # an earlier test's, maybe still ending
     threads = PushThreads()
     for _ in range(40):  # one at a time: each push finds the last one's thread idle
         done = threading.Event()
         threads.submit(done.set)
         assert done.wait(10.0)
         assert _wait_until(lambda: threads._idle == threads._threads)  # noqa: SLF001
-    assert len(_push_threads()) - before <= 2
+    assert len(_push_threads(old)) <= 2
     threads.close()
-    assert _wait_until(lambda: len(_push_threads()) == before), "close left threads running"
+    assert _wait_until(lambda: not _push_threads(old)), "close left threads running"
+
+
+def test_idle_threads_end_and_new_ones_come() -> None:
+    old = frozenset(_push_threads())
+    threads = PushThreads(idle_s=0.05)
+    try:
+        for _ in range(3):  # a burst of pushes, then idle: its threads end; then another
+            release = threading.Event()
+            done = [threading.Event() for _ in range(6)]
+            for event in done:
+                threads.submit(lambda e=event, r=release: (r.wait(10.0), e.set()))
+            assert _wait_until(lambda: len(_push_threads(old)) == 6)
+            release.set()
+            assert all(event.wait(10.0) for event in done)
+            assert _wait_until(lambda: not _push_threads(old)), "idle threads stayed"
+    finally:
+        threads.close()
