@@ -5,13 +5,14 @@ the whole prompt in one copy once its last layer is computed), and return the fi
 A prompt is batched with the others (chunked prefill, the engine's scheduler). The
 engine thread never waits on the network, only on local memory: in the step that
 completes a prompt, the engine's prefill hook takes a reference on the prompt's blocks
-and starts a transfer thread for the push; as each layer's KV is written, the hook's
-callback hands the layer's index (on CUDA with an event recorded after its compute) to
-that thread. The transfer thread connects, waits for the receiver's accept, gathers each
-layer from the held blocks (on CUDA on its own stream, after the layer's event), sends
-it, and waits for the receiver's `done`. So a slow or dead receiver stalls only its own
-thread, which fails within the push's timeouts; the result, the first token joined with
-the receiver's `done`, comes back then.
+and hands the push to a transfer thread (one of `transfer.PushThreads`, reused); as each
+layer's KV is written, the hook's callback hands the layer's index (on CUDA with an
+event recorded after its compute) to that thread. The transfer thread connects, waits
+for the receiver's accept, gathers each layer from the held blocks (on CUDA on its own
+stream, after the layer's event), sends it, and waits for the receiver's `done`. So a
+slow or dead receiver stalls only its own thread, which fails within the push's
+timeouts; the result, the first token joined with the receiver's `done`, comes back
+then.
 
 Blocks are safe though the gathers run after the step: the request's blocks go back to
 the engine's prefix cache when its step ends, but the held reference keeps them out of
