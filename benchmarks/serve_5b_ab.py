@@ -88,6 +88,9 @@ def tree_cpu(root: int) -> dict[str, float]:
     """The CPU seconds of `root` (the router: `tandem up` serves it) and of every process
     under it, each named by what it runs."""
     procs, cpu, todo = _processes(), {}, [root]
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _, _) in procs.items():
+        children.setdefault(parent, []).append(pid)
     while todo:
         pid = todo.pop()
         _, cmd, seconds = procs.get(pid, (0, "", 0.0))
@@ -98,7 +101,7 @@ def tree_cpu(root: int) -> dict[str, float]:
         else:
             name = "router" if pid == root else cmd[:40]
         cpu[f"{name}:{pid}"] = seconds
-        todo += [p for p, (parent, _, _) in procs.items() if parent == pid]
+        todo += children.get(pid, [])
     return cpu
 
 
