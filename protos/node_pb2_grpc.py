@@ -54,6 +54,11 @@ class NodeStub:
                 request_serializer=tandem_dot_protos_dot_node__pb2.OutputsRequest.SerializeToString,
                 response_deserializer=tandem_dot_protos_dot_node__pb2.OutputBatch.FromString,
                 _registered_method=True)
+        self.Submit = channel.stream_stream(
+                '/tandem.node.v1.Node/Submit',
+                request_serializer=tandem_dot_protos_dot_node__pb2.SubmitBatch.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_node__pb2.SubmitEnds.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.node.v1.Node/Abort',
                 request_serializer=tandem_dot_protos_dot_node__pb2.AbortRequest.SerializeToString,
@@ -134,6 +139,19 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Submit(self, request_iterator, context):
+        """Decode role: Generate calls whose chunks go by the caller's Outputs stream, many to a
+        message (a router's one stream per node, so a burst costs it a write per loop round,
+        not a call per request). Each request runs as its own Generate call would, the
+        batch's timeout its deadline, and its end comes back in this stream once that call's
+        would; a cancel stops one as a cancelled call would. The first reply is empty: the
+        stream is open. When it ends, the requests it carries that have not ended are
+        aborted. Served by the node's gRPC front (node/front.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Either role: stop a request and free every block it holds. Idempotent.
         """
@@ -208,6 +226,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Outputs,
                     request_deserializer=tandem_dot_protos_dot_node__pb2.OutputsRequest.FromString,
                     response_serializer=tandem_dot_protos_dot_node__pb2.OutputBatch.SerializeToString,
+            ),
+            'Submit': grpc.stream_stream_rpc_method_handler(
+                    servicer.Submit,
+                    request_deserializer=tandem_dot_protos_dot_node__pb2.SubmitBatch.FromString,
+                    response_serializer=tandem_dot_protos_dot_node__pb2.SubmitEnds.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -353,6 +376,33 @@ class Node:
             '/tandem.node.v1.Node/Outputs',
             tandem_dot_protos_dot_node__pb2.OutputsRequest.SerializeToString,
             tandem_dot_protos_dot_node__pb2.OutputBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Submit(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.node.v1.Node/Submit',
+            tandem_dot_protos_dot_node__pb2.SubmitBatch.SerializeToString,
+            tandem_dot_protos_dot_node__pb2.SubmitEnds.FromString,
             options,
             channel_credentials,
             insecure,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -52,6 +53,7 @@ from tandem.router.limits import Limits
 from tandem.router.metrics import RouterMetrics
 from tandem.router.pool import MIN_PULL_TOKENS, Cached, NodeClient, OutputsClosed, Pool
 from tandem.router.protocol import APIError
+from tandem.router.submit import CALL_ENDED, call_end
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +70,6 @@ _ABORT_RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCE
 # MAX_EARLY) and answers the rest "skipped", so a burst's early calls are only work for it.
 EARLY_MAX_IN_FLIGHT = 4
 _LAST_CHUNK_WAIT_S = 10.0  # a Generate call ended well: its last chunk is on its way
-_CALL_ENDED = object()
 
 
 class StreamBroken(Exception):
@@ -238,15 +239,21 @@ class Flow:
         waiting: asyncio.Queue = asyncio.Queue()
         decode.waiting[rid] = waiting  # before the call: no chunk comes earlier
         msg.subscriber = decode.subscriber
-        call = decode.start_generate(msg, deadline)
+        submitter = decode.submitter if decode.submitter and decode.submitter.open else None
+        if submitter is not None:
+            submitter.submit(msg, deadline, waiting.put_nowait)
+            cancel = functools.partial(submitter.cancel, rid)
+        else:
+            call = decode.start_generate(msg, deadline)
+            aio = asyncio.get_running_loop()
+
+            def on_end(call: grpc.Future) -> None:  # on a gRPC thread: its end, or error
+                with contextlib.suppress(RuntimeError):  # the router's loop is closed
+                    aio.call_soon_threadsafe(waiting.put_nowait, call_end(call))
+
+            call.add_done_callback(on_end)
+            cancel = call.cancel
         trace.mark(rid, "router.call")
-        aio = asyncio.get_running_loop()
-
-        def on_end(call: grpc.Future) -> None:  # on a gRPC thread: the call's end, or error
-            with contextlib.suppress(RuntimeError):  # the router's loop is closed
-                aio.call_soon_threadsafe(waiting.put_nowait, _call_end(call))
-
-        call.add_done_callback(on_end)
         finished = False
         held = None  # taken from the queue while merging chunks, not yet handled
         try:
@@ -269,7 +276,7 @@ class Flow:
                         if not isinstance(held, pb.GenerateChunk):
                             break
                         item, held = _merged(item, held), None
-                if item is _CALL_ENDED:
+                if item is CALL_ENDED:
                     ended = True
                 elif isinstance(item, grpc.aio.AioRpcError):
                     raise item
@@ -283,7 +290,7 @@ class Flow:
         finally:
             decode.waiting.pop(rid, None)
             if not finished:  # the node aborts the request when its call is cancelled
-                call.cancel()
+                cancel()
 
     def _overflows(self, prefill: NodeClient, decode: NodeClient, tokens: int,
                    cached: dict[str, Cached], uncached: int, now: float) -> bool:
@@ -462,13 +469,3 @@ def _merged(first: pb.GenerateChunk, then: pb.GenerateChunk) -> pb.GenerateChunk
 def _unavailable(why: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
                                 grpc.aio.Metadata(), details=why)
-
-
-def _call_end(call: grpc.Future) -> object:
-    """What a started Generate call's end puts in its request's queue: `_CALL_ENDED`, or
-    its error as the AioRpcError an asyncio call would have raised."""
-    code = call.code()
-    if code == grpc.StatusCode.OK:
-        return _CALL_ENDED
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                call.details())

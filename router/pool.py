@@ -16,6 +16,8 @@ A node whose Health poll fails also ends the streams this router waits on there.
 Each decode node's generated chunks come through one `Outputs` stream per router
 (`NodeClient.follow_outputs`), batched per engine step, and are handed to each request's
 queue here; while that stream is not open, requests stream in their own Generate calls.
+While it is, they go to the node on this router's one Submit stream there (router/submit.py),
+or, where the node serves none, each in a call of its own made on a synchronous channel.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from tandem.node import auth
 from tandem.node.timeouts import TIMEOUTS
 from tandem.protos import node_pb2 as pb
 from tandem.protos import node_pb2_grpc as pb_grpc
+from tandem.router.submit import Submitter
 from tandem.router.window import Rates, Window
 
 log = logging.getLogger(__name__)
@@ -80,6 +83,8 @@ class NodeClient:
     # in a burst runs only after every other arrival's handler of that loop round.
     starter: grpc.Channel | None = None
     _start: Callable[..., grpc.Future] | None = field(default=None, init=False, repr=False)
+    # Or, where the node serves it, all on this router's one Submit stream there.
+    submitter: Submitter | None = field(default=None, init=False, repr=False)
     reachable: bool = False  # its last poll answered, and no call failed since
     health: pb.HealthReply | None = None
     stats: pb.StatsReply | None = None
@@ -103,6 +108,7 @@ class NodeClient:
     def open(self) -> None:
         self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self.stub = auth.AuthedStub(pb_grpc.NodeStub(self.channel), self.secret)
+        self.submitter = Submitter(self.stub, self.address)
         self.open_starter()
 
     def open_starter(self) -> None:
@@ -358,7 +364,9 @@ class Pool:
         # One poll loop per node: a node slow to answer (stopped, partitioned) leaves the
         # others' health and load fresh.
         self._tasks[node] = [asyncio.create_task(self._poll_forever(node)),
-                             asyncio.create_task(node.follow_outputs())]
+                             asyncio.create_task(node.follow_outputs()),
+                             asyncio.create_task(node.submitter.run(
+                                 lambda: node.outputs_open and node.reachable))]
 
     def record_ttft(self, seconds: float, *nodes: NodeClient | None) -> None:
         self.ttft.add(seconds)

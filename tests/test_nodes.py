@@ -34,8 +34,8 @@ from node_helpers import (  # noqa: F401 - fixtures are found by name in the mod
 from tandem import SamplingParams
 from tandem.node.timeouts import TIMEOUTS, Timeouts
 from tandem.protos import node_pb2 as pb
-from tandem.router.flow import _CALL_ENDED, _call_end
 from tandem.router.pool import NodeClient
+from tandem.router.submit import CALL_ENDED, call_end
 
 
 def test_disaggregated_greedy_output_equals_the_offline_engine(nodes, prompts, expected):  # noqa: ANN001
@@ -403,7 +403,7 @@ def test_a_ready_reservation_nobody_generates_is_freed_when_its_lease_lapses(nod
 def test_a_router_started_generate_ends_as_its_call_does(model_path, prompts, expected
                                                          ):  # noqa: ANN001
     """The router starts a Generate whose chunks come by its Outputs stream on a
-    synchronous channel (`NodeClient.start_generate`): its end is `_CALL_ENDED` once the
+    synchronous channel (`NodeClient.start_generate`): its end is `CALL_ENDED` once the
     chunks went out, and a refusal is the AioRpcError an asyncio call raises, code and
     details as the node said them."""
     decode = make_node(model_path, "decode", max_num_seqs=1, max_requests=2)
@@ -427,7 +427,7 @@ def test_a_router_started_generate_ends_as_its_call_does(model_path, prompts, ex
                 assert chunk.request_id == "fine"
                 tokens += chunk.token_ids
         assert tokens == expected[0]
-        assert ended.wait(30) and _call_end(call) is _CALL_ENDED
+        assert ended.wait(30) and call_end(call) is CALL_ENDED
 
         running = _start(decode, "running", prompts[0])  # max_num_seqs=1: the next waits
         waiting = decode.stub.Generate(pb.GenerateRequest(
@@ -436,7 +436,7 @@ def test_a_router_started_generate_ends_as_its_call_does(model_path, prompts, ex
         assert wait_for(lambda: decode.stats().num_waiting == 1)
         refused, ended = started("refused", prompts[2])
         assert ended.wait(30)
-        end = _call_end(refused)
+        end = call_end(refused)
         assert isinstance(end, grpc.aio.AioRpcError)
         assert end.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "holds 2 requests" in end.details()
