@@ -4,8 +4,8 @@ and the Outputs streams' per-token work never take the engine thread's GIL.
 
 Calls go through as bytes: this process parses none but Outputs, whose batches it makes
 here from the engine's per-step `OutputColumns`, and Submit, a router's stream of Generate
-requests many to a message, each forwarded as a Generate call of its own would be (only
-this front serves it). `grpc.health.v1` is served here, from
+requests many to a message, each forwarded as a Generate call of its own would be
+(node/submit.py; only this front serves it). `grpc.health.v1` is served here, from
 the node's own Health. The cluster secret comes in the environment, as the engine's
 process had it, never on the command line. The front exits when told to stop, or when
 its parent (the engine's process) is gone; it runs in a session of its own, so a Ctrl-C
@@ -35,6 +35,7 @@ from tandem.engine import trace
 from tandem.node import auth
 from tandem.node.auth import CLUSTER_SECRET_ENV
 from tandem.node.gc_freeze import freeze_startup
+from tandem.node.submit import Submitted, serve_submit
 from tandem.protos import node_pb2 as pb
 
 log = logging.getLogger("tandem.node.front")
@@ -188,7 +189,7 @@ class Front:
             yield item
 
     async def _generate(self, msg: pb.GenerateRequest, request: bytes,
-                        context: grpc.aio.ServicerContext | _Submitted
+                        context: grpc.aio.ServicerContext | Submitted
                         ) -> AsyncIterator[bytes]:
         """Generate: forwarded; one whose chunks go through an Outputs stream ends once its
         last chunk has gone out there, not before (the router reads a call's end as
@@ -211,69 +212,13 @@ class Front:
 
     async def _submit_call(self, batches: AsyncIterator[bytes],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        """Submit: each request forwarded as its own Generate call (`_generate`), its end
-        sent back once that call's would be; the ends that came while the last reply went
-        out go as one. The stream's end cancels the requests it carries still running
-        (as their calls' would: the engine's process aborts them)."""
-        ends: asyncio.Queue = asyncio.Queue()  # SubmitEnd; None once the caller is done
-        running: dict[str, asyncio.Task] = {}
-        reading = asyncio.ensure_future(self._take_submits(batches, running, ends))
-        try:
-            yield pb.SubmitEnds().SerializeToString()  # open
-            done = False
-            while not done or running:
-                reply = pb.SubmitEnds()
-                for end in [await ends.get(), *_queued(ends)]:
-                    if end is None:
-                        done = True
-                    else:
-                        reply.ends.append(end)
-                if reply.ends:
-                    yield reply.SerializeToString()
-        finally:
-            reading.cancel()
-            for task in running.values():
-                task.cancel()
+        """Submit (node/submit.py): each request forwarded as its own Generate call."""
+        async for reply in serve_submit(batches, self._submit_one):
+            yield reply
 
-    async def _take_submits(self, batches: AsyncIterator[bytes],
-                            running: dict[str, asyncio.Task], ends: asyncio.Queue) -> None:
-        try:
-            async for raw in batches:
-                batch = pb.SubmitBatch.FromString(raw)
-                for msg in batch.requests:
-                    rid = msg.request.request_id
-                    if rid in running:
-                        ends.put_nowait(pb.SubmitEnd(
-                            request_id=rid, code="INVALID_ARGUMENT",
-                            details=f"request {rid} is already running on this stream"))
-                        continue
-                    running[rid] = asyncio.ensure_future(
-                        self._submitted(msg, _Submitted(batch.timeout_s), running, ends))
-                for rid in batch.cancel:  # after its requests: a cancel may name one of them
-                    if (task := running.get(rid)) is not None:
-                        task.cancel()
-        finally:
-            ends.put_nowait(None)
-
-    async def _submitted(self, msg: pb.GenerateRequest, context: _Submitted,
-                         running: dict[str, asyncio.Task], ends: asyncio.Queue) -> None:
-        """One submitted request, as its own Generate call; a cancelled one sends no end
-        (the caller gave it up)."""
-        rid = msg.request.request_id
-        end = pb.SubmitEnd(request_id=rid, code="OK")
-        try:
-            async with asyncio.timeout(context.time_remaining()):  # as a call's deadline
-                async for _ in self._generate(msg, msg.SerializeToString(), context):
-                    pass  # a subscriber's call carries no chunk
-        except TimeoutError:
-            end.code, end.details = "DEADLINE_EXCEEDED", "Deadline Exceeded"
-        except CallFailed as exc:
-            end.code, end.details = exc.code.name, exc.details
-        except Exception as exc:  # noqa: BLE001 - the request fails, not the stream
-            end.code, end.details = "INTERNAL", f"{type(exc).__name__}: {exc}"
-        finally:
-            running.pop(rid, None)
-        ends.put_nowait(end)
+    async def _submit_one(self, msg: pb.GenerateRequest, context: Submitted) -> None:
+        async for _ in self._generate(msg, msg.SerializeToString(), context):
+            pass  # a subscriber's call carries no chunk
 
     async def _outputs_call(self, request: bytes, context: grpc.aio.ServicerContext
                             ) -> AsyncIterator[bytes]:
@@ -355,40 +300,12 @@ class Front:
             queue.put_nowait((kind, *frames[2:]))
 
 
-class CallFailed(Exception):
-    """A submitted request's call failed with `code` (`_Submitted.abort`)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code, self.details = code, details
-
-
-class _Submitted:
-    """What `_Call` asks of a gRPC context, for a request that came in a Submit batch."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self._deadline = asyncio.get_running_loop().time() + timeout_s
-
-    def time_remaining(self) -> float:
-        return max(0.0, self._deadline - asyncio.get_running_loop().time())
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise CallFailed(code, details)
-
-
-def _queued(queue: asyncio.Queue) -> list[Any]:
-    items = []
-    while not queue.empty():
-        items.append(queue.get_nowait())
-    return items
-
-
 class _Call:
     """One forwarded call, open while in the `async with`. A call that ends before its
     last reply (its client left) is cancelled in the engine's process."""
 
     def __init__(self, front: Front, method: str, request: bytes,
-                 context: grpc.aio.ServicerContext | _Submitted) -> None:
+                 context: grpc.aio.ServicerContext | Submitted) -> None:
         self.front, self.method, self.request = front, method, request
         self.seconds_left = context.time_remaining()
         self.ended = False
@@ -403,7 +320,7 @@ class _Call:
     async def __aexit__(self, kind: type | None, exc: BaseException | None, tb: object) -> None:
         self.front._close(self.call_id, self.ended)
 
-    async def next(self, context: grpc.aio.ServicerContext | _Submitted) -> bytes | None:
+    async def next(self, context: grpc.aio.ServicerContext | Submitted) -> bytes | None:
         """The next reply (an Outputs stream's: a batch of the steps queued); None once
         the call ended; its error ends the gRPC call."""
         if self._held is not None:

@@ -53,7 +53,7 @@ from tandem.router.limits import Limits
 from tandem.router.metrics import RouterMetrics
 from tandem.router.pool import MIN_PULL_TOKENS, Cached, NodeClient, OutputsClosed, Pool
 from tandem.router.protocol import APIError
-from tandem.router.submit import CALL_ENDED, call_end
+from tandem.router.submit import CALL_ENDED, call_end, rpc_error
 
 log = logging.getLogger(__name__)
 
@@ -467,5 +467,4 @@ def _merged(first: pb.GenerateChunk, then: pb.GenerateChunk) -> pb.GenerateChunk
 
 
 def _unavailable(why: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                                grpc.aio.Metadata(), details=why)
+    return rpc_error(grpc.StatusCode.UNAVAILABLE, why)

@@ -118,7 +118,7 @@ class Submitter:
             log.info("%s: %s", self._name, why)
         self.open = False
         ended, self._ended, self._pending, self._cancels = self._ended, {}, {}, []
-        error = _error(grpc.StatusCode.UNAVAILABLE, why)
+        error = rpc_error(grpc.StatusCode.UNAVAILABLE, why)
         for callback in ended.values():
             callback(error)
 
@@ -127,15 +127,16 @@ def call_end(call: grpc.Future) -> object:
     """A Generate call's end (one made on its own, `NodeClient.start_generate`), as a
     submitted request's: `CALL_ENDED`, or the AioRpcError an asyncio call would raise."""
     code = call.code()
-    return CALL_ENDED if code == grpc.StatusCode.OK else _error(code, call.details())
+    return CALL_ENDED if code == grpc.StatusCode.OK else rpc_error(code, call.details())
 
 
 def _end(end: pb.SubmitEnd) -> object:
     if end.code == "OK":
         return CALL_ENDED
-    return _error(grpc.StatusCode.__members__.get(end.code, grpc.StatusCode.UNKNOWN),
+    return rpc_error(grpc.StatusCode.__members__.get(end.code, grpc.StatusCode.UNKNOWN),
                   end.details)
 
 
-def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The AioRpcError an asyncio call that ended with `code` would have raised."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
