@@ -59,6 +59,16 @@ def parse_args() -> argparse.Namespace:
                    "string (e.g. \"--stream-interval-ms 5\")")
     p.add_argument("--trace", type=Path, default=None, help="trace into DIR/<config>.jsonl "
                    "and note each process's CPU per burst (default: neither)")
+    p.add_argument("--config", action="append", default=None, metavar="NAME=FLAGS",
+                   help="a served configuration: its name and its `tandem up` flags, one "
+                   "string; repeat for more (default: colocated=\"--colocated 1\" and "
+                   "1p1d_ipc=\"--connector ipc\")")
+    p.add_argument("--py-spy", type=Path, default=None, help="record each node's engine "
+                   "process with `py-spy record` over each burst, into DIR/<config>_"
+                   "<burst>_<process>.txt (raw, collapsed stacks; default: none)")
+    p.add_argument("--py-spy-flags", default="--gil", help="py-spy record's sampling "
+                   "flags, one string (default: %(default)s: the thread holding the GIL; "
+                   "\"--idle --threads\": every thread, waiting or not)")
     return p.parse_args()
 
 
@@ -110,7 +120,31 @@ def _client_cpu() -> float:
     return use.ru_utime + use.ru_stime
 
 
-def served(flags: list[str], bursts: int, port: int, trace: Path | None = None
+def _spy(up: int, out: Path | None, prefix: str, flags: str) -> list[subprocess.Popen]:
+    """py-spy recorders of each node's engine process under `up` (none without `out`)."""
+    if out is None:
+        return []
+    spies = []
+    for name in tree_cpu(up):
+        if name.startswith("node_"):
+            role, pid = name.split(":")
+            spies.append(subprocess.Popen(
+                ["py-spy", "record", *flags.split(), "--nonblocking", "-r", "200", "-f",
+                 "raw", "-o",
+                 str(out / f"{prefix}_{role}.txt"), "-p", pid],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return spies
+
+
+def _stop(spies: list[subprocess.Popen]) -> None:
+    for spy in spies:
+        spy.send_signal(signal.SIGINT)
+    for spy in spies:
+        spy.wait(timeout=60)
+
+
+def served(flags: list[str], bursts: int, port: int, trace: Path | None = None,
+           spy: Path | None = None, name: str = "", spy_flags: str = "--gil"
            ) -> list[dict[str, float]]:
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, **({"TANDEM_TRACE": str(trace)} if trace else {}))
@@ -124,12 +158,14 @@ def served(flags: list[str], bursts: int, port: int, trace: Path | None = None
         for i in range(bursts + 1):  # the first: a warm-up of 16
             result = Path(f"/tmp/serve_5b_ab_{os.getpid()}.json")
             before, client = tree_cpu(up.pid), _client_cpu()
+            spies = _spy(up.pid, spy if i else None, f"{name}_{i}", spy_flags)
             subprocess.run([sys.executable, "-m", "tandem.cli", "bench", "serve",
                             "--base-url", url, "--num-prompts", "256" if i else "16",
                             "--random-input-len", "128", "--random-output-len", "256",
                             "--seed", str(i), "--save-result", "--result-dir",
                             str(result.parent), "--result-filename", result.name,
                             "--disable-tqdm"], check=True, capture_output=True, env=env)
+            _stop(spies)
             client, after = _client_cpu() - client, tree_cpu(up.pid)
             res = json.loads(result.read_text())
             result.unlink()
@@ -148,18 +184,20 @@ def served(flags: list[str], bursts: int, port: int, trace: Path | None = None
 
 def main() -> None:
     args = parse_args()
-    if args.trace:
-        args.trace.mkdir(parents=True, exist_ok=True)
+    for out in (args.trace, args.py_spy):
+        if out:
+            out.mkdir(parents=True, exist_ok=True)
     result: dict[str, object] = {"label": args.label,
                                  "offline_tok_s": offline(args.offline_bursts,
                                                           args.mixed_cuda_graphs)}
     print(args.label, "offline", [round(x) for x in result["offline_tok_s"]], flush=True)
-    for name, flags in (("colocated", ["--colocated", "1"]),
-                        ("1p1d_ipc", ["--connector", "ipc"])):
+    configs = [c.split("=", 1) for c in args.config or
+               ("colocated=--colocated 1", "1p1d_ipc=--connector ipc")]
+    for name, flags in ((name, flags.split()) for name, flags in configs):
         mixed = [] if args.mixed_cuda_graphs else ["--no-mixed-cuda-graphs"]
         trace = args.trace / f"{args.label}_{name}.jsonl" if args.trace else None
         rows = served(flags + mixed + args.up_flags.split(), args.served_bursts, args.port,
-                      trace)
+                      trace, args.py_spy, f"{args.label}_{name}", args.py_spy_flags)
         result[name] = rows
         print(args.label, name, [round(r["tok_s"]) for r in rows], "ttft",
               [round(r["median_ttft_ms"]) for r in rows], flush=True)

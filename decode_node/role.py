@@ -115,7 +115,13 @@ class DecodeRole:
         """Hold `req`'s prompt blocks now and open a sink for those its prefix cache
         lacks; KVCacheFull (a RuntimeError) when they are not free, ValueError for a bad
         request."""
-        return self.loop.submit(lambda e: self._reserve_now(e, req, ttl_s, 0, 0.0))
+        def now(engine: LLMEngine) -> Reservation:
+            made = self._open_sinks(engine, [(req, ttl_s, self._hold(engine, req, 0), 0.0)])[0]
+            if isinstance(made, BaseException):
+                raise made
+            return made
+
+        return self.loop.submit(now)
 
     def enqueue(self, req: Request, ttl_s: float) -> Future[Reservation]:
         """`reserve`, once its turn comes and the blocks are free. To leave the queue,
@@ -138,45 +144,68 @@ class DecodeRole:
         one for each request the engine holds (running, ready to join the batch, or
         waiting for its KV) to take its next token into: reservations that took those
         would leave the batch unable to grow (a 256-token prompt needs a new block for
-        its first decoded token)."""
+        its first decoded token). The sinks of those reserved are opened together."""
         s = engine.scheduler
         keep_free = len(s.running) + len(s.ready) + engine.num_reserved
+        held: list[tuple[_Queued, int, float]] = []  # blocks held, sinks yet to open
         while self._prealloc:
             queued = self._prealloc[0]
             if not queued.reserved.cancelled():
                 try:
-                    made = self._reserve_now(engine, queued.req, queued.ttl_s, keep_free,
-                                             time.monotonic() - queued.since)
+                    cached = self._hold(engine, queued.req, keep_free)
                 except KVCacheFull:
-                    return  # first come, first served: the rest wait behind it
+                    break  # first come, first served: the rest wait behind it
                 except BaseException as exc:  # noqa: BLE001 - its caller's to handle
                     _settle(queued.reserved, error=exc)
                 else:
-                    if not _settle(queued.reserved, made):  # cancelled just now
-                        self._end_sink(queued.req.request_id, "left the queue")
+                    held.append((queued, cached, time.monotonic() - queued.since))
             self._prealloc.popleft()
             self._queued.pop(queued.req.request_id, None)
+        if not held:
+            return
+        made = self._open_sinks(engine, [(q.req, q.ttl_s, cached, queued_s)
+                                         for q, cached, queued_s in held])
+        for (queued, _, _), result in zip(held, made, strict=True):
+            if isinstance(result, BaseException):
+                _settle(queued.reserved, error=result)
+            elif not _settle(queued.reserved, result):  # cancelled just now
+                self._end_sink(queued.req.request_id, "left the queue")
 
-    def _reserve_now(self, engine: LLMEngine, req: Request, ttl_s: float, keep_free: int,
-                     queued_s: float) -> Reservation:
+    def _hold(self, engine: LLMEngine, req: Request, keep_free: int) -> int:
+        """Hold `req`'s prompt blocks in the engine (KVCacheFull if they are not free);
+        the prompt tokens its prefix cache held."""
         cached = engine.reserve(req, keep_free)
-        rid = req.request_id
-        trace.mark(rid, "decode.blocks")
-        first_block = cached // self.layout.block_size
-        ids = tuple(req.block_ids[first_block:])
-        arrival = _Arrival()
-        self._sinks[ids[0]] = rid
-        self._arrivals[rid] = arrival
+        trace.mark(req.request_id, "decode.blocks")
+        return cached
+
+    def _open_sinks(self, engine: LLMEngine, held: list[tuple[Request, float, int, float]]
+                    ) -> list[Reservation | BaseException]:
+        """A sink for each (request, ttl, cached tokens, seconds queued) whose blocks are
+        held (`_hold`), opened together; one that fails gives its blocks back."""
+        wanted, arrivals = [], []
+        for req, ttl_s, cached, _ in held:
+            ids = tuple(req.block_ids[cached // self.layout.block_size:])
+            arrivals.append(_Arrival())
+            self._sinks[ids[0]] = req.request_id
+            self._arrivals[req.request_id] = arrivals[-1]
+            wanted.append((req.request_id, ids, ttl_s))
         try:
-            sink = self.agent.reserve(rid, ids, ttl_s)
-        except BaseException:
-            self._sinks.pop(ids[0], None)
-            self._arrivals.pop(rid, None)
-            engine.release_reserved(rid)
-            raise
-        trace.mark(rid, "decode.sink")
-        return Reservation(sink, first_block, cached, queued_s, arrival.kv,
-                           arrival.first_token)
+            sinks = self.agent.reserve_many(wanted)
+        except BaseException as exc:  # noqa: BLE001 - each request's to handle
+            sinks = [exc] * len(wanted)
+        made: list[Reservation | BaseException] = []
+        for (_, _, cached, queued_s), (rid, ids, _), arrival, sink in zip(
+                held, wanted, arrivals, sinks, strict=True):
+            if isinstance(sink, BaseException):
+                self._sinks.pop(ids[0], None)
+                self._arrivals.pop(rid, None)
+                engine.release_reserved(rid)
+                made.append(sink)
+                continue
+            trace.mark(rid, "decode.sink")
+            made.append(Reservation(sink, cached // self.layout.block_size, cached, queued_s,
+                                    arrival.kv, arrival.first_token))
+        return made
 
     # -- transfer --------------------------------------------------------------------------
 

@@ -63,9 +63,33 @@ class WriteGuard:
 
     def open(self, index: torch.Tensor) -> int:
         """Let the sink of blocks `index` be written: its new ticket, set when this returns."""
-        ticket = next(self._next) % (2**31 - 1) + 1
-        self._set(index, ticket)
-        return ticket
+        return self.open_many([index])[0]
+
+    def open_many(self, indices: list[torch.Tensor]) -> list[int]:
+        """`open` for several sinks, in one write waited for once."""
+        tickets = [next(self._next) % (2**31 - 1) + 1 for _ in indices]
+        if len(indices) == 1:
+            self._set(indices[0], tickets[0])
+            return tickets
+        values = torch.tensor([t for t, index in zip(tickets, indices, strict=True)
+                               for _ in range(len(index))], dtype=torch.int32)
+        if self._stream is None:
+            self.tags.index_copy_(0, torch.cat(indices), values)
+            return tickets
+        with torch.cuda.stream(self._stream):  # the ids made here: nothing to record
+            self.tags.index_copy_(0, torch.cat(indices),
+                                  values.to(self.tags.device, non_blocking=True))
+        for index in indices:
+            index.record_stream(self._stream)
+        self._stream.synchronize()
+        return tickets
+        with torch.cuda.stream(self._stream):
+            index = torch.cat(indices)  # made on this stream: nothing to record
+            self.tags.index_copy_(0, index, values.to(self.tags.device, non_blocking=True))
+        for index in indices:
+            index.record_stream(self._stream)
+        self._stream.synchronize()
+        return tickets
 
     def close(self, index: torch.Tensor, wait: bool = True) -> None:
         """No more writes into blocks `index` start once this returns (`wait`), or very

@@ -251,6 +251,41 @@ def test_a_late_push_writes_nothing(dest: Dest) -> None:
     assert_unchanged_except(landed, dst, [])
 
 
+def _reserve_many_and_push(device: str) -> None:
+    """Sinks opened together (`reserve_many`, as a decode node's prealloc queue opens a
+    burst's) each get their own ticket; a bad entry fails alone, in its place; each sink
+    takes its own push, and only into its own blocks."""
+    src, dst = make_caches(16, seed=1, device=device), make_caches(16, seed=2, device=device)
+    before = clone(dst)
+    layout, connector = KVLayout.of(dst, MODEL), IpcConnector()
+    agent = TransferAgent(dst, layout, connector, lambda ids: None)
+    try:
+        agent.reserve("held", [9], ttl_s=30)
+        made = agent.reserve_many([("a", [2, 7], 30), ("bad", [99], 30), ("b", [4], 30),
+                                   ("taken", [9, 10], 30), ("a", [11], 30), ("c", [0, 5, 6], 30)])
+        assert isinstance(made[1], ValueError) and "distinct, in [0, 16)" in str(made[1])
+        assert isinstance(made[3], ValueError) and "[9] are already reserved" in str(made[3])
+        assert isinstance(made[4], ValueError) and "already holds a reservation" in str(made[4])
+        sinks = {m.request_id: m for m in made if isinstance(m, SinkInfo)}
+        assert sorted(sinks) == ["a", "b", "c"]
+        assert len({s.target["ticket"] for s in sinks.values()}) == 3
+        sources = {"a": [0, 1], "b": [3], "c": [12, 13, 14]}
+        for rid in ("c", "a", "b"):
+            push(connector, sinks[rid], src, sources[rid], layout)
+            assert agent.wait_ready(rid, timeout=5)
+            agent.release(rid)
+        for rid, sink in sinks.items():
+            assert_blocks_equal(dst, list(sink.block_ids), src, sources[rid])
+        assert_unchanged_except(before, dst, [2, 7, 4, 0, 5, 6])
+    finally:
+        agent.close()
+        connector.close()
+
+
+def test_sinks_reserved_together_take_their_own_pushes() -> None:
+    _reserve_many_and_push("cpu")
+
+
 def test_a_receiver_without_ipc_refuses_an_ipc_sender() -> None:
     src, dst = make_caches(16, seed=1), make_caches(16, seed=2)
     layout = KVLayout.of(dst, MODEL)
@@ -308,6 +343,11 @@ def test_round_trip_on_cuda() -> None:
     connector = IpcConnector()
     roundtrip(connector, torch.bfloat16, [7, 2, 11, 5], [0, 3, 1, 9], device="cuda")
     connector.close()
+
+
+@needs_cuda
+def test_sinks_reserved_together_take_their_own_pushes_on_cuda() -> None:
+    _reserve_many_and_push("cuda")
 
 
 @needs_cuda
