@@ -52,7 +52,7 @@ def receiver_main(args: argparse.Namespace, num_blocks: int, n: int, to_sender: 
         torch.cuda.set_device(device)
     dst = torch.zeros(_shape(args, num_blocks), dtype=torch.bfloat16, device=device)
     guard = WriteGuard(num_blocks, device)
-    ticket = guard.open(_ids(num_blocks, n)[1].to(device))
+    [ticket] = guard.open_many([_ids(num_blocks, n)[1].to(device)])
     to_sender.put((export(dst), guard.desc, ticket))
     done.wait(QUEUE_TIMEOUT_S)  # keep the cache alive while the sender writes it
 

@@ -53,6 +53,7 @@ sink is ready, so the decode side need not wait for the prefill node's own reply
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -287,12 +288,10 @@ class TransferAgent:
         flat = [b for ids in id_lists for b in ids]
         if not flat:
             return []
-        if self._copies is None:
-            both = torch.tensor(flat, dtype=torch.long, device=self._device)
-        else:
-            with torch.cuda.stream(self._copies):
-                both = torch.tensor(flat, dtype=torch.long, device=self._device)
-        return list(both.split([len(ids) for ids in id_lists]))
+        with torch.cuda.stream(self._copies) if self._copies is not None else (
+                contextlib.nullcontext()):
+            every = torch.tensor(flat, dtype=torch.long, device=self._device)
+        return list(every.split([len(ids) for ids in id_lists]))
 
     def _get(self, request_id: str) -> _Sink | None:
         with self._lock:

@@ -61,16 +61,10 @@ class WriteGuard:
         self.desc = export(self.tags)
         self._next = itertools.count(random.randrange(1, 2**30))
 
-    def open(self, index: torch.Tensor) -> int:
-        """Let the sink of blocks `index` be written: its new ticket, set when this returns."""
-        return self.open_many([index])[0]
-
     def open_many(self, indices: list[torch.Tensor]) -> list[int]:
-        """`open` for several sinks, in one write waited for once."""
+        """Let the sinks of blocks `indices` be written: their new tickets, set (in one
+        write, waited for once) when this returns."""
         tickets = [next(self._next) % (2**31 - 1) + 1 for _ in indices]
-        if len(indices) == 1:
-            self._set(indices[0], tickets[0])
-            return tickets
         values = torch.tensor([t for t, index in zip(tickets, indices, strict=True)
                                for _ in range(len(index))], dtype=torch.int32)
         if self._stream is None:
@@ -79,13 +73,6 @@ class WriteGuard:
         with torch.cuda.stream(self._stream):  # the ids made here: nothing to record
             self.tags.index_copy_(0, torch.cat(indices),
                                   values.to(self.tags.device, non_blocking=True))
-        for index in indices:
-            index.record_stream(self._stream)
-        self._stream.synchronize()
-        return tickets
-        with torch.cuda.stream(self._stream):
-            index = torch.cat(indices)  # made on this stream: nothing to record
-            self.tags.index_copy_(0, index, values.to(self.tags.device, non_blocking=True))
         for index in indices:
             index.record_stream(self._stream)
         self._stream.synchronize()

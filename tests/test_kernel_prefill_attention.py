@@ -11,7 +11,10 @@ from tandem.kernels.paged_attention import paged_attention_ref
 from tandem.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 
 PAGE = 16
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+# fp32: the interpreter's numpy dots sum in an order that follows the host's BLAS kernels;
+# one CI host missed 1e-5 by 2.7e-6 on a soft-capped row. A kernel that reads a poisoned
+# slot or a wrong page misses by whole units.
+TOLERANCE = {torch.float32: 3e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 # (context length, new tokens): a chunk after a cached prefix crossing page boundaries,
 # decode rows, a fresh prompt, a q_len 0 row in the middle and at the end.
 MIXED = [(37, 20), (23, 1), (19, 19), (30, 0), (16, 1), (40, 7), (9, 0)]
