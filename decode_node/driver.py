@@ -29,11 +29,15 @@ from tandem.kvtransfer.connector import TransferError
 from tandem.node import auth, convert
 from tandem.node.aio import Bridge, engine_call
 from tandem.node.loop import Listener
+from tandem.node.submit import Submitter, rpc_error
 from tandem.node.timeouts import Timeouts
 from tandem.protos import node_pb2 as pb
 from tandem.protos import node_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+STREAM_IDLE_S = 60.0  # a prefill node's Submit stream is not opened again once unasked this long
+STREAM_GRACE_S = 2.0  # past a submitted Prefill's timeout, before it is given up here
 
 
 class QueueTimeout(Exception):
@@ -55,6 +59,10 @@ class Driver:
         self.connector_name, self.secret = connector_name, secret
         self._peers: dict[str, auth.AuthedStub] = {}  # prefill nodes and others, by address
         self._channels: list[grpc.aio.Channel] = []
+        # A Submit stream to each prefill node asked lately (node/submit.py), its task,
+        # and when it was last asked.
+        self._streams: dict[str, tuple[Submitter, asyncio.Task]] = {}
+        self._asked: dict[str, float] = {}
 
     async def run(self, req: Request, msg: pb.Request, plan: pb.PrefillPlan | None,
                   first_token: int | None, listener: Listener, head: pb.GenerateChunk,
@@ -101,6 +109,8 @@ class Driver:
         await self.bridge.wrap(self.role.compute_here(req, listener))
 
     async def close(self) -> None:
+        for _, task in self._streams.values():
+            task.cancel()
         for channel in self._channels:
             await channel.close()
 
@@ -152,11 +162,14 @@ class Driver:
         """The prefill node's first token; None when it failed and the prompt is to be
         computed here (`head` says why)."""
         sink = convert.sink_to_pb(made.sink, made.first_block, self.connector_name)
+        call = pb.PrefillRequest(request=msg, sink=sink,
+                                 pull=plan.pull if plan.HasField("pull") else None)
+        stream = self._stream(plan.address)
         try:
-            reply = await self.peer(plan.address).Prefill(
-                pb.PrefillRequest(request=msg, sink=sink,
-                                  pull=plan.pull if plan.HasField("pull") else None),
-                timeout=timeout)
+            if stream.open:
+                reply = await _submitted(stream, call, timeout)
+            else:  # the stream's first call, or a node that serves none
+                reply = await self.peer(plan.address).Prefill(call, timeout=timeout)
             return reply.first_token
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details() or exc.code().name
@@ -180,6 +193,18 @@ class Driver:
         except TimeoutError:
             raise TransferError(f"the KV did not arrive within {timeout_s:g}s") from None
 
+    def _stream(self, address: str) -> Submitter:
+        """The Submit stream to the prefill node at `address`, opened in the background
+        on the first call there and kept while calls come (`STREAM_IDLE_S`)."""
+        loop = asyncio.get_running_loop()
+        self._asked[address] = loop.time()
+        got = self._streams.get(address)
+        if got is None:
+            stream = Submitter(self.peer(address), address)
+            wanted = lambda: loop.time() - self._asked[address] < STREAM_IDLE_S  # noqa: E731
+            got = self._streams[address] = (stream, asyncio.ensure_future(stream.run(wanted)))
+        return got[0]
+
     def peer(self, address: str) -> auth.AuthedStub:
         """A client of the prefill node at `address`, its channel kept for later calls."""
         stub = self._peers.get(address)
@@ -189,6 +214,25 @@ class Driver:
             stub = self._peers[address] = auth.AuthedStub(pb_grpc.NodeStub(channel),
                                                           self.secret)
         return stub
+
+
+async def _submitted(stream: Submitter, call: pb.PrefillRequest, timeout: float
+                     ) -> pb.PrefillReply:
+    """`call`'s reply by `stream`, or the AioRpcError its own call would have raised;
+    cancelled, the prefill node's request is cancelled too."""
+    ended: asyncio.Future = asyncio.get_running_loop().create_future()
+    stream.submit(call, timeout, lambda end: ended.done() or ended.set_result(end))
+    try:  # the node ends it at `timeout`; the grace is for a node that stopped answering
+        end = await asyncio.wait_for(ended, timeout + STREAM_GRACE_S)
+    except TimeoutError:
+        stream.cancel(call.request.request_id)
+        raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+    except asyncio.CancelledError:
+        stream.cancel(call.request.request_id)
+        raise
+    if isinstance(end, grpc.aio.AioRpcError):
+        raise end
+    return end
 
 
 def _ignore_late(reply: asyncio.Future[int | None]) -> None:

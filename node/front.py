@@ -4,12 +4,13 @@ and the Outputs streams' per-token work never take the engine thread's GIL.
 
 Calls go through as bytes: this process parses none but Outputs, whose batches it makes
 here from the engine's per-step `OutputColumns`, and Submit, a router's stream of Generate
-requests many to a message, each forwarded as a Generate call of its own would be
-(node/submit.py; only this front serves it). `grpc.health.v1` is served here, from
-the node's own Health. The cluster secret comes in the environment, as the engine's
-process had it, never on the command line. The front exits when told to stop, or when
-its parent (the engine's process) is gone; it runs in a session of its own, so a Ctrl-C
-or a SIGTERM to the node's process group reaches the node, which drains through it.
+requests (or a decode node's of Prefill requests) many to a message, each forwarded as a
+call of its own would be (node/submit.py; only this front serves it). `grpc.health.v1`
+is served here, from the node's own Health. The cluster secret comes in the environment,
+as the engine's process had it, never on the command line. The front exits when told to
+stop, or when its parent (the engine's process) is gone; it runs in a session of its own,
+so a Ctrl-C or a SIGTERM to the node's process group reaches the node, which drains
+through it.
 
     python -m tandem.node.front --host H --port P --ipc DIR
 """
@@ -212,13 +213,22 @@ class Front:
 
     async def _submit_call(self, batches: AsyncIterator[bytes],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        """Submit (node/submit.py): each request forwarded as its own Generate call."""
-        async for reply in serve_submit(batches, self._submit_one):
+        """Submit (node/submit.py): each request forwarded as its own Generate or Prefill
+        call."""
+        async for reply in serve_submit(batches, self._submit_one, self._prefill_one):
             yield reply
 
     async def _submit_one(self, msg: pb.GenerateRequest, context: Submitted) -> None:
         async for _ in self._generate(msg, msg.SerializeToString(), context):
             pass  # a subscriber's call carries no chunk
+
+    async def _prefill_one(self, msg: pb.PrefillRequest, context: Submitted) -> bytes:
+        async with _Call(self, "Prefill", msg.SerializeToString(), context) as call:
+            reply = await call.next(context)
+            if reply is None:
+                await context.abort(grpc.StatusCode.INTERNAL, "Prefill sent no reply")
+            call.ended = True
+            return reply
 
     async def _outputs_call(self, request: bytes, context: grpc.aio.ServicerContext
                             ) -> AsyncIterator[bytes]:

@@ -147,6 +147,8 @@ class NodeServicer:
         would; a cancel stops one as a cancelled call would. The first reply is empty: the
         stream is open. When it ends, the requests it carries that have not ended are
         aborted. Served by the node's gRPC front (node/front.py).
+        Prefill role: Prefill calls the same way (a decode node's one stream per prefill
+        node), each end carrying its call's reply.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

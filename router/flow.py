@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import grpc
 
 from tandem.engine import trace
+from tandem.node.submit import CALL_ENDED, call_end, rpc_error
 from tandem.node.timeouts import TIMEOUTS, Timeouts
 from tandem.protos import node_pb2 as pb
 from tandem.router.admission import DecodeQueue
@@ -53,7 +54,6 @@ from tandem.router.limits import Limits
 from tandem.router.metrics import RouterMetrics
 from tandem.router.pool import MIN_PULL_TOKENS, Cached, NodeClient, OutputsClosed, Pool
 from tandem.router.protocol import APIError
-from tandem.router.submit import CALL_ENDED, call_end, rpc_error
 
 log = logging.getLogger(__name__)
 

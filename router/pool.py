@@ -16,7 +16,7 @@ A node whose Health poll fails also ends the streams this router waits on there.
 Each decode node's generated chunks come through one `Outputs` stream per router
 (`NodeClient.follow_outputs`), batched per engine step, and are handed to each request's
 queue here; while that stream is not open, requests stream in their own Generate calls.
-While it is, they go to the node on this router's one Submit stream there (router/submit.py),
+While it is, they go to the node on this router's one Submit stream there (node/submit.py),
 or, where the node serves none, each in a call of its own made on a synchronous channel.
 """
 
@@ -33,10 +33,10 @@ from typing import Protocol
 import grpc
 
 from tandem.node import auth
+from tandem.node.submit import Submitter
 from tandem.node.timeouts import TIMEOUTS
 from tandem.protos import node_pb2 as pb
 from tandem.protos import node_pb2_grpc as pb_grpc
-from tandem.router.submit import Submitter
 from tandem.router.window import Rates, Window
 
 log = logging.getLogger(__name__)

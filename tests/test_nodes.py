@@ -32,10 +32,10 @@ from node_helpers import (  # noqa: F401 - fixtures are found by name in the mod
 )
 
 from tandem import SamplingParams
+from tandem.node.submit import CALL_ENDED, call_end
 from tandem.node.timeouts import TIMEOUTS, Timeouts
 from tandem.protos import node_pb2 as pb
 from tandem.router.pool import NodeClient
-from tandem.router.submit import CALL_ENDED, call_end
 
 
 def test_disaggregated_greedy_output_equals_the_offline_engine(nodes, prompts, expected):  # noqa: ANN001

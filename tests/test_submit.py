@@ -1,4 +1,4 @@
-"""The Submit stream (router/submit.py, node/front.py) against a real decode node (its
+"""The Submit stream (node/submit.py, node/front.py) against a real decode node (its
 engine's process and its gRPC front): requests many to a message, their chunks by the
 Outputs stream, each end as its own call's would be; a cancel and the stream's end stop
 the requests they name and free their blocks."""
@@ -14,9 +14,9 @@ from serving_helpers import node_address, start, stop
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.node import convert
+from tandem.node.submit import CALL_ENDED, Submitter
 from tandem.protos import node_pb2 as pb
 from tandem.protos import node_pb2_grpc as pb_grpc
-from tandem.router.submit import CALL_ENDED, Submitter
 
 NEW_TOKENS = 12
 SHORT = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -137,5 +137,72 @@ def test_a_cancel_and_the_streams_end_stop_their_requests(address) -> None:  # n
             await asyncio.wait_for(kept.wait(), 10)
             assert s.ends["kept"].code() == grpc.StatusCode.UNAVAILABLE
             assert await s.idle()
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def pair():  # noqa: ANN201
+    """A prefill node and a decode node, each with its gRPC front (same dummy weights)."""
+    flags = ["--model", "tiny", "--load-format", "dummy", "--skip-tokenizer-init",
+             "--num-kv-blocks", "512"]
+    prefill = start(["node", "--role", "prefill", *flags])
+    decode = start(["node", "--role", "decode", *flags])
+    try:
+        yield node_address(prefill), node_address(decode)
+    finally:
+        stop([prefill, decode])
+
+
+async def _tokens(stub: pb_grpc.NodeStub, msg: pb.GenerateRequest) -> list[int]:
+    return [t async for chunk in stub.Generate(msg, timeout=60) for t in chunk.token_ids]
+
+
+def test_prefills_submitted_to_a_prefill_node_fill_their_sinks_and_end_with_replies(
+        pair) -> None:  # noqa: ANN001
+    """A decode node's way to its prefill node: Prefill calls with their sinks on one
+    stream, each end its call's PrefillReply; the decode node goes on from its first
+    token to the tokens it computes alone. A bad request ends as its call would."""
+    async def scenario() -> None:
+        async with (grpc.aio.insecure_channel(pair[0]) as to_prefill,
+                    grpc.aio.insecure_channel(pair[1]) as to_decode):
+            prefill, decode = pb_grpc.NodeStub(to_prefill), pb_grpc.NodeStub(to_decode)
+            stream = Submitter(prefill, pair[0])
+            running = asyncio.ensure_future(stream.run(lambda: True))
+            while not stream.open:
+                await asyncio.sleep(0.02)
+            loop = asyncio.get_running_loop()
+            requests = [pb.Request(request_id=f"p{i}", prompt_token_ids=[3 + i, *range(9, 9 + i)],
+                                   sampling=convert.sampling_to_pb(SHORT)) for i in range(24)]
+            ends = []
+            for request in requests:
+                reserved = await decode.Reserve(pb.ReserveRequest(request=request, ttl_s=30),
+                                                timeout=10)
+                ends.append(loop.create_future())
+                stream.submit(pb.PrefillRequest(request=request, sink=reserved.sink), 60.0,
+                              ends[-1].set_result)
+            bad = loop.create_future()
+            stream.submit(pb.PrefillRequest(request=pb.Request(
+                request_id="bad", prompt_token_ids=[5, 10**6],
+                sampling=convert.sampling_to_pb(SHORT))), 60.0, bad.set_result)
+            replies = await asyncio.wait_for(asyncio.gather(*ends), 60)
+            assert all(isinstance(r, pb.PrefillReply) and r.kv_bytes > 0 for r in replies)
+            failure = await asyncio.wait_for(bad, 60)
+            assert isinstance(failure, grpc.aio.AioRpcError)
+            assert failure.code() == grpc.StatusCode.INVALID_ARGUMENT
+            for request, reply in zip(requests, replies, strict=True):
+                pushed = await _tokens(decode, pb.GenerateRequest(
+                    request=request, first_token=reply.first_token))
+                alone = pb.Request()
+                alone.CopyFrom(request)
+                alone.request_id = "alone-" + request.request_id
+                assert pushed[0] == reply.first_token
+                assert pushed == await _tokens(decode, pb.GenerateRequest(request=alone))
+                assert len(pushed) == NEW_TOKENS
+            running.cancel()
+            for stub in (prefill, decode):
+                s = await stub.Stats(pb.StatsRequest(), timeout=10)
+                assert (s.num_running, s.num_waiting, s.kv_blocks_free) == (
+                    0, 0, s.kv_blocks_total)
 
     asyncio.run(scenario())
