@@ -2,7 +2,8 @@
 request through the decode role's stages, on the node's asyncio loop:
 
     wait in the prealloc queue for the prompt's blocks   (the call's deadline bounds it)
-    call the plan's prefill node: it computes the prompt and pushes its KV into the sink
+    call the plan's prefill node (on this node's one Submit stream to it, node/submit.py):
+        it computes the prompt and pushes its KV into the sink
     wait for the first token (the push's end frame brings it, after the KV, ahead of the
         prefill node's reply), then decode in the running batch
 
@@ -37,6 +38,7 @@ from tandem.protos import node_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 STREAM_IDLE_S = 60.0  # a prefill node's Submit stream is not opened again once unasked this long
+STREAM_OPEN_S = 1.0  # a Prefill waits this long for its node's stream to open
 STREAM_GRACE_S = 2.0  # past a submitted Prefill's timeout, before it is given up here
 
 
@@ -166,9 +168,11 @@ class Driver:
                                  pull=plan.pull if plan.HasField("pull") else None)
         stream = self._stream(plan.address)
         try:
-            if stream.open:
+            submit = await stream.wait_open(STREAM_OPEN_S)
+            trace.mark(msg.request_id, "decode.prefill_call")
+            if submit:
                 reply = await _submitted(stream, call, timeout)
-            else:  # the stream's first call, or a node that serves none
+            else:  # a node that serves no Submit stream, or it failed to open
                 reply = await self.peer(plan.address).Prefill(call, timeout=timeout)
             return reply.first_token
         except grpc.aio.AioRpcError as exc:

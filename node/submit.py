@@ -35,6 +35,7 @@ requests it still carries, as their calls' ends would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -62,6 +63,7 @@ class Submitter:
         # By request id: its end's callback, and whether it is a Prefill.
         self._ended: dict[str, tuple[Callable[[object], None], bool]] = {}
         self._wake = asyncio.Event()
+        self._tried = asyncio.Event()  # set once the first try to open the stream ended
 
     def submit(self, msg: Call, timeout_s: float, ended: Callable[[object], None]) -> None:
         """Send `msg` in the next batch, to end within `timeout_s` (its call's deadline);
@@ -89,6 +91,7 @@ class Submitter:
         try:
             await call.read()  # the node's first, empty reply: open
             self.open = True
+            self._tried.set()
             reader = asyncio.ensure_future(self._read(call))
             try:
                 await self._write(call, reader)
@@ -101,8 +104,17 @@ class Submitter:
                 self.served = False
             why = f"the Submit stream failed: {exc.details()}"
         finally:
+            self._tried.set()
             call.cancel()
             self._close(why)
+
+    async def wait_open(self, timeout_s: float) -> bool:
+        """Whether the stream is open; before its first try to open it ended, after
+        waiting up to `timeout_s` for that (a burst's first requests go on it too)."""
+        if not self._tried.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._tried.wait(), timeout_s)
+        return self.open
 
     async def _write(self, call: grpc.aio.StreamStreamCall, reader: asyncio.Future) -> None:
         while not reader.done():

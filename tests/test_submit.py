@@ -169,8 +169,7 @@ def test_prefills_submitted_to_a_prefill_node_fill_their_sinks_and_end_with_repl
             prefill, decode = pb_grpc.NodeStub(to_prefill), pb_grpc.NodeStub(to_decode)
             stream = Submitter(prefill, pair[0])
             running = asyncio.ensure_future(stream.run(lambda: True))
-            while not stream.open:
-                await asyncio.sleep(0.02)
+            assert await stream.wait_open(10)  # waits for the first try to open it
             loop = asyncio.get_running_loop()
             requests = [pb.Request(request_id=f"p{i}", prompt_token_ids=[3 + i, *range(9, 9 + i)],
                                    sampling=convert.sampling_to_pb(SHORT)) for i in range(24)]
