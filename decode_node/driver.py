@@ -204,8 +204,10 @@ class Driver:
         self._asked[address] = loop.time()
         got = self._streams.get(address)
         if got is None:
+            def wanted() -> bool:
+                return loop.time() - self._asked[address] < STREAM_IDLE_S
+
             stream = Submitter(self.peer(address), address)
-            wanted = lambda: loop.time() - self._asked[address] < STREAM_IDLE_S  # noqa: E731
             got = self._streams[address] = (stream, asyncio.ensure_future(stream.run(wanted)))
         return got[0]
 

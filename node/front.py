@@ -223,12 +223,7 @@ class Front:
             pass  # a subscriber's call carries no chunk
 
     async def _prefill_one(self, msg: pb.PrefillRequest, context: Submitted) -> bytes:
-        async with _Call(self, "Prefill", msg.SerializeToString(), context) as call:
-            reply = await call.next(context)
-            if reply is None:
-                await context.abort(grpc.StatusCode.INTERNAL, "Prefill sent no reply")
-            call.ended = True
-            return reply
+        return await self._unary("Prefill")(msg.SerializeToString(), context)
 
     async def _outputs_call(self, request: bytes, context: grpc.aio.ServicerContext
                             ) -> AsyncIterator[bytes]:
