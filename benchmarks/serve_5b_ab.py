@@ -128,8 +128,10 @@ def _spy(up: int, out: Path | None, prefix: str, flags: str) -> list[subprocess.
     for name in tree_cpu(up):
         if name.startswith("node_"):
             role, pid = name.split(":")
+            # py-spy's native stacks need the process paused for each sample
+            pause = [] if "--native" in flags.split() else ["--nonblocking"]
             spies.append(subprocess.Popen(
-                ["py-spy", "record", *flags.split(), "--nonblocking", "-r", "200", "-f",
+                ["py-spy", "record", *flags.split(), *pause, "-r", "200", "-f",
                  "raw", "-o",
                  str(out / f"{prefix}_{role}.txt"), "-p", pid],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
