@@ -1,7 +1,9 @@
 """Refcounted KV blocks, an LRU queue of free blocks, and the prefix-cache map.
 
 Invariants:
-- a block is in the free queue iff its ref_cnt is 0;
+- a block is free iff its ref_cnt is 0: never taken yet (made when first taken, lowest id
+  first, so a pool of millions of blocks costs nothing until they are used), or queued;
+- never-taken blocks come before every queued one (they were queued first);
 - a free block keeps its hash (and so stays a cache hit) until it is reallocated;
 - the free queue pops least-recently-freed first, so cached blocks are evicted LRU.
 Events go to the `on_event` hook; the pool itself knows nothing of who listens. A cached
@@ -43,8 +45,9 @@ ReuseHook = Callable[[list[Evicted]], list[BlockHash]]  # -> the hashes it dropp
 
 class BlockPool:
     def __init__(self, num_blocks: int, on_event: EventHook | None = None) -> None:
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._num_blocks = num_blocks
+        self.blocks: list[Block] = []  # those taken at least once: block_id is the index
+        self._free: OrderedDict[int, Block] = OrderedDict()  # taken, then freed: LRU first
         self._cached: dict[BlockHash, Block] = {}
         # Where stored/evicted events go; a node sets it once it knows who listens.
         self.on_event = on_event
@@ -53,12 +56,12 @@ class BlockPool:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        return self._num_blocks
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be allocated now, cached-but-unused ones included."""
-        return len(self._free)
+        return len(self._free) + self._num_blocks - len(self.blocks)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -69,9 +72,9 @@ class BlockPool:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def allocate(self, n: int) -> list[Block]:
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popitem(last=False)[1] for _ in range(n)]
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free_blocks} free")
+        blocks = [self._take() for _ in range(n)]
         dropped: list[BlockHash] = []
         if self.on_reuse is not None:
             reused = [Evicted(b.block_id, b.block_hash, b.token_ids) for b in blocks
@@ -91,6 +94,13 @@ class BlockPool:
         if evicted:
             self._emit("evicted", evicted)
         return blocks
+
+    def _take(self) -> Block:
+        if len(self.blocks) < self._num_blocks:
+            block = Block(len(self.blocks))
+            self.blocks.append(block)
+            return block
+        return self._free.popitem(last=False)[1]
 
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> Block | None:
         block = self._cached.get(block_hash)

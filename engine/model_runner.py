@@ -94,7 +94,10 @@ class ModelRunner:
         # A step's block tables, gathered from the rows it uses: [max tokens, W].
         self.step_tables = torch.empty((max_num_tokens, self.width), **i32)
         cap = StepLayout(max_num_tokens, max_num_tokens, max_num_tokens, 0, max_num_tokens).size
-        self._update_capacity = max(4096, 2 * num_blocks)
+        # A step's table updates beyond this take a copy of their own (_write_updates),
+        # rare past the table's size; not sized by the blocks alone (a tiny model's KV
+        # on a large card is tens of millions of blocks: a buffer of GBs, pinned).
+        self._update_capacity = max(4096, min(2 * num_blocks, self.table.numel()))
         cap += 2 * (self._update_capacity + SECTION_ALIGN)
         pinned = self.device.type == "cuda"
         self.host = torch.zeros(cap, dtype=torch.int32, pin_memory=pinned)
