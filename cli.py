@@ -215,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "KV cache for the prompts being computed); the decode nodes take "
                          "the rest, for every running request's context "
                          "(default: %(default)s)")
+    up.add_argument("--mps", default="off", choices=["auto", "on", "off"],
+                    help="run the nodes that share a CUDA device under an MPS daemon of this "
+                         "launch's own, so their kernels run side by side rather than "
+                         "time-sliced (an H200, 1P1D on one card: +9%% output tok/s): auto "
+                         "where nvidia-cuda-mps-control is on PATH (without it if it will "
+                         "not start), on insists, off never (default: %(default)s)")
     up.add_argument("--connector", default="tcp", choices=["tcp", "ucx", "nccl", "ipc"],
                     help="how KV moves from the prefill to the decode node "
                          "(default: %(default)s)")

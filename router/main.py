@@ -31,6 +31,7 @@ from tandem.router.app import RouterSettings, create_app
 from tandem.router.flow import FlowConfig
 from tandem.router.guard import Credentials
 from tandem.router.limits import Limits
+from tandem.router.mps import share_gpu
 from tandem.router.planner import PlannerSettings
 
 log = logging.getLogger("tandem.router")
@@ -194,6 +195,11 @@ def run_up(args: argparse.Namespace) -> int:
     args.cluster_secret, args.cluster_secret_file = secret.decode(), None  # the router's
     if sum(n.device == "cpu" for n in plan) > 1:
         share_cpu(env)
+    try:
+        mps = share_gpu([n.device for n in plan], env, args.mps)
+    except RuntimeError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     children: list[subprocess.Popen] = []
     signal.signal(signal.SIGTERM, _interrupt)  # until uvicorn takes it over
     try:
@@ -231,6 +237,8 @@ def run_up(args: argparse.Namespace) -> int:
     finally:
         for child in children:
             _stop(child)
+        if mps is not None:
+            mps.stop()
     return 0
 
 

@@ -21,6 +21,7 @@ from tandem import LLM, SamplingParams
 from tandem.cli import build_parser
 from tandem.node.auth import CLUSTER_SECRET_ENV
 from tandem.router.main import NodePlan, plan_nodes, share_cpu
+from tandem.router.mps import share_gpu, shared_cuda
 
 TINY = ["--model", "tiny", "--load-format", "dummy", "--skip-tokenizer-init"]
 
@@ -76,6 +77,38 @@ def test_cpu_nodes_sharing_the_cores_spin_briefly_unless_the_environment_says() 
         env = dict(given)
         share_cpu(env)
         assert env == given
+
+
+def test_nodes_sharing_a_cuda_device_ask_for_mps_only_where_it_applies(tmp_path) -> None:  # noqa: ANN001
+    assert shared_cuda(["cuda", "cuda:0", "cuda:1", "cpu", "cpu"]) == ["cuda:0"]
+    assert shared_cuda(["cuda:0", "cuda:1"]) == [] and shared_cuda(["cpu", "cpu"]) == []
+    no_daemon = {"PATH": str(tmp_path)}  # nvidia-cuda-mps-control is not there
+    for devices, env, mode in ((["cuda", "cuda"], dict(no_daemon), "off"),
+                               (["cuda:0", "cuda:1"], dict(no_daemon), "on"),
+                               (["cuda", "cuda"], dict(no_daemon, CUDA_MPS_PIPE_DIRECTORY="/x"),
+                                "on"),
+                               (["cuda", "cuda"], dict(no_daemon), "auto")):
+        before = dict(env)
+        assert share_gpu(devices, env, mode) is None
+        assert env == before
+    with pytest.raises(RuntimeError, match="--mps on: nvidia-cuda-mps-control is not on PATH"):
+        share_gpu(["cuda", "cuda"], dict(no_daemon), "on")
+
+
+def test_mps_insisted_on_without_its_daemon_ends_tandem_up_with_a_clear_error(tmp_path) -> None:  # noqa: ANN001
+    import subprocess
+    import sys
+
+    from serving_helpers import free_port
+
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.path.dirname(sys.executable)}")
+    out = subprocess.run([sys.executable, "-m", "tandem.cli", "up", *TINY, "--port",
+                          str(free_port()), "--device", "cuda", "--mps", "on"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        "tandem: error: --mps on: nvidia-cuda-mps-control is not on PATH (it comes with "
+        "the NVIDIA driver)")
 
 
 def test_a_node_that_cannot_start_ends_tandem_up_with_a_clear_error() -> None:
