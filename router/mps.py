@@ -38,6 +38,8 @@ def shared_cuda(devices: Iterable[str]) -> list[str]:
 class MpsDaemon:
     def __init__(self, control: str, root: Path) -> None:
         self._control, self._root = control, root
+        # Where the daemon and its clients meet: directories of the launch's own.
+        self.env = {PIPE_ENV: str(root / "pipe"), LOG_ENV: str(root / "log")}
 
     @classmethod
     def start(cls, env: dict[str, str]) -> MpsDaemon:
@@ -47,26 +49,24 @@ class MpsDaemon:
         if control is None:
             raise RuntimeError(f"--mps on: {CONTROL} is not on PATH (it comes with the "
                                "NVIDIA driver)")
-        root = Path(tempfile.mkdtemp(prefix="tandem-mps-"))
-        ours = {PIPE_ENV: str(root / "pipe"), LOG_ENV: str(root / "log")}
-        for path in ours.values():
+        daemon = cls(control, Path(tempfile.mkdtemp(prefix="tandem-mps-")))
+        for path in daemon.env.values():
             Path(path).mkdir()
-        done = subprocess.run([control, "-d"], env=dict(env, **ours), capture_output=True,
-                              text=True, timeout=30, check=False)
+        done = subprocess.run([control, "-d"], env=dict(env, **daemon.env),
+                              capture_output=True, text=True, timeout=30, check=False)
         if done.returncode != 0:
-            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(daemon._root, ignore_errors=True)
             raise RuntimeError(f"{CONTROL} -d failed ({done.returncode}): "
                                f"{(done.stderr or done.stdout).strip()}")
-        env.update(ours)
-        log.info("nodes sharing a CUDA device run under MPS (%s)", root)
-        return cls(control, root)
+        env.update(daemon.env)
+        log.info("nodes sharing a CUDA device run under MPS (%s)", daemon._root)
+        return daemon
 
     def stop(self) -> None:
         """Tell the daemon to quit (its server goes once its clients have), then drop its
         directories."""
-        env = {PIPE_ENV: str(self._root / "pipe"), LOG_ENV: str(self._root / "log")}
         try:
-            subprocess.run([self._control], input="quit\n", env=env, text=True,
+            subprocess.run([self._control], input="quit\n", env=self.env, text=True,
                            capture_output=True, timeout=30, check=False)
         except subprocess.TimeoutExpired:
             log.warning("the MPS daemon in %s did not answer quit", self._root)
