@@ -191,6 +191,8 @@ class LLMEngine:
         # only the last layer, so the step may replay a CUDA graph and call them after it.
         self.prefill_hook: Callable[[Request], Callable[[int], None] | None] | None = None
         self.prefill_layerwise = True
+        # Called with each layer once that layer's callbacks of a step all ran.
+        self.prefill_handed: Callable[[int], None] | None = None
 
     # --- requests -------------------------------------------------------------------
 
@@ -431,12 +433,15 @@ class LLMEngine:
         callbacks = [cb for i, req in enumerate(batch.requests)
                      if not req.output_token_ids and batch.samples(i)
                      and (cb := self.prefill_hook(req)) is not None]
-        if len(callbacks) < 2:
+        handed = self.prefill_handed
+        if not callbacks or (len(callbacks) == 1 and handed is None):
             return callbacks[0] if callbacks else None
 
         def each(layer: int) -> None:
             for cb in callbacks:
                 cb(layer)
+            if handed is not None:
+                handed(layer)
 
         return each
 

@@ -125,6 +125,7 @@ class KVPush:
         self._plan = [(f, min(per, n - f)) for f in range(0, n, per)] if all_computed else []
         self._sent_messages = 0
         self._handed = 0  # all_computed: layers handed to send_layer so far
+        self._ended_at = 0.0  # time.monotonic() when the end frame went
 
     def start(self) -> None:
         """Connect and open the transfer; returns once the receiver accepted it (direct,
@@ -204,6 +205,12 @@ class KVPush:
     def finish(self, first_token: int | None = None) -> None:
         """Close the transfer; returns once the receiver confirmed every layer landed.
         `first_token`, the token sampled from the prompt, rides in the end frame."""
+        self.end(first_token)
+        self.wait_done()
+
+    def end(self, first_token: int | None = None) -> None:
+        """`finish`'s first half: every layer out, then the end frame. A thread ending
+        many pushes sends each one's end before it waits for any receiver's reply."""
         if not self._plan:  # a planned message goes out only whole, as announced
             self._flush()
         for slot in range(len(self._in_flight)):
@@ -212,8 +219,13 @@ class KVPush:
         if first_token is not None:
             end["first_token"] = first_token
         self._send(end)
+        self._ended_at = time.monotonic()
+
+    def wait_done(self) -> None:
+        """`finish`'s second half: returns once the receiver confirmed every layer landed,
+        within the reply timeout of the end frame."""
         try:
-            self._await(DONE)
+            self._await(DONE, self._ended_at)
         except BaseException:
             self.close()
             raise
@@ -379,10 +391,12 @@ class KVPush:
         while (frame := self._poll(0.0)) is not None:
             self._raise_on_abort(frame)
 
-    def _await(self, kind: str) -> None:
-        deadline = time.monotonic() + self._reply_timeout
-        while (left := deadline - time.monotonic()) > 0:
-            frame = self._poll(left)
+    def _await(self, kind: str, since: float | None = None) -> None:
+        """Wait for a reply of `kind`, until the reply timeout after `since` (default:
+        now); one that came meanwhile counts, however late this looks."""
+        deadline = (time.monotonic() if since is None else since) + self._reply_timeout
+        while (frame := self._poll(max(0.0, deadline - time.monotonic()))) is not None or (
+                time.monotonic() < deadline):
             if frame is None:
                 continue
             self._raise_on_abort(frame)

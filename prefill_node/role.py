@@ -67,7 +67,7 @@ from tandem.kvtransfer.layout import KVLayout
 from tandem.kvtransfer.sender import KVPush
 from tandem.kvtransfer.staging import KVRows
 from tandem.node.loop import EngineLoop
-from tandem.prefill_node.transfer import PushThreads, Target, Transfer, transfer_error
+from tandem.prefill_node.transfer import Gang, PushThreads, Target, Transfer, transfer_error
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +167,10 @@ class PrefillRole:
         on_cuda = self._rows.caches[0].device.type == "cuda"
         self._staging = (threading.BoundedSemaphore(MAX_STAGED_PUSHES)
                          if on_cuda and not self._whole else None)
+        self._gang = Gang(self._threads, layout.num_layers) if self._whole else None
         loop.engine.prefill_hook = self._hook
         loop.engine.prefill_layerwise = not self._whole
+        loop.engine.prefill_handed = self._gang.flush if self._gang is not None else None
 
     @property
     def rows(self) -> KVRows:
@@ -383,7 +385,8 @@ class PrefillRole:
         transfer = Transfer(self._threads, pending.target, open_push, self._rows.caches[0].device,
                             lambda: pending.deadline,
                             lambda error: self._pushed(pending, transfer, blocks, error),
-                            self.layout.num_layers if whole else 0, self._staging)
+                            self.layout.num_layers if whole else 0, self._staging,
+                            self._gang)
         with self._lock:
             if pending.result.done():  # the caller gave up meanwhile
                 return None
