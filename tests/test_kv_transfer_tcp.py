@@ -128,6 +128,30 @@ def test_layer_by_layer_progress_and_ready_callback() -> None:
         agent.close()
 
 
+def test_a_reply_that_came_while_the_sender_was_away_counts() -> None:
+    """A thread that ends several pushes sends each end, then waits for each reply: a
+    push's done that came while the thread waited on another push counts, though its
+    reply timeout has passed by the time it is looked at."""
+    connector = TcpConnector()
+    src, dst = make_caches(16, seed=1), make_caches(16, seed=2)
+    layout = KVLayout.of(dst, MODEL)
+    agent = TransferAgent(dst, layout, connector, lambda ids: None)
+    try:
+        with KVPush(connector, agent.reserve("r", [9, 3], ttl_s=30), src, [1, 2], layout,
+                    reply_timeout=0.3, all_computed=True) as p:
+            p.start()
+            for layer in range(layout.num_layers):
+                p.send_layer(layer)
+            p.end()
+            assert agent.wait_ready("r", timeout=5)
+            time.sleep(0.5)  # past the reply timeout: the done is in already
+            p.wait_done()
+        assert_blocks_equal(dst, [9, 3], src, [1, 2])
+    finally:
+        agent.close()
+        connector.close()
+
+
 def _await_reply(sender: Sender, kind: str) -> dict:
     frame = sender.poll(5.0)
     assert frame is not None and frame.header["kind"] == kind, frame
