@@ -249,14 +249,16 @@ class Transfer:
         """The push goes to its thread with the first layer handed over (or a
         cancellation): by then the step's compute is launched, so its opening of the push
         does not hold the GIL while the engine thread launches kernels. In a gang, it
-        goes `now` or with the others handed over in its step."""
+        goes `now` or with the others handed over in its step (a cancellation lets a push
+        go that is queued still: its step's handover never ended)."""
         with self._start_lock:
-            if self._submitted:
-                return
-            self._submitted = True
+            submitted, self._submitted = self._submitted, True
         if self._gang is not None:
-            self._gang.add(self, now)
-        else:
+            if not submitted:
+                self._gang.add(self, now)
+            elif now:
+                self._gang.flush()
+        elif not submitted:
             self._threads.submit(self._run)
 
     def layer_done(self, layer: int) -> None:

@@ -1,14 +1,18 @@
 """The prefill role's push threads (`prefill_node/transfer.PushThreads`): every push runs,
 each on a thread that is not the caller's; one push that waits holds only its own thread;
 threads are reused once their pushes end, and end once idle long enough; `close` ends
-them all."""
+them all. A gang's push that its step never let go ends once cancelled."""
 
 from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 
-from tandem.prefill_node.transfer import PushThreads
+import torch
+
+from tandem.kvtransfer.connector import TransferError
+from tandem.prefill_node.transfer import Gang, PushThreads, Transfer
 
 
 def _push_threads(old: frozenset[threading.Thread] = frozenset()) -> list[threading.Thread]:
@@ -68,5 +72,34 @@ def test_idle_threads_end_and_new_ones_come() -> None:
             release.set()
             assert all(event.wait(10.0) for event in done)
             assert _wait_until(lambda: not _push_threads(old)), "idle threads stayed"
+    finally:
+        threads.close()
+
+
+def test_a_gang_push_whose_step_never_ended_its_handover_ends_once_cancelled() -> None:
+    """The engine handed the push its last layer and then failed before saying the step's
+    handover was over: the push waits in its gang until its cancellation lets it go, and
+    then ends with the cancellation's error."""
+    threads = PushThreads()
+    gang = Gang(threads, num_layers=2)
+    ended: list[BaseException | None] = []
+    done = threading.Event()
+
+    def on_end(error: BaseException | None) -> None:
+        ended.append(error)
+        done.set()
+
+    def open_push(target):  # noqa: ANN001, ANN202 - never reached: it has no target
+        raise AssertionError("a push with no target was opened")
+
+    try:
+        transfer = Transfer(threads, Future(), open_push, torch.device("cpu"),
+                            lambda: time.monotonic() + 30.0, on_end, whole=2, gang=gang)
+        transfer.layer_done(1)
+        assert not done.wait(0.2), "a queued push ran before its step's handover ended"
+        error = TransferError("the prefill of that prompt failed")
+        transfer.cancel(error)
+        assert done.wait(5.0), "the cancelled push never ended"
+        assert ended == [error]
     finally:
         threads.close()
