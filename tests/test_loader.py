@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import tandem
 from tandem.engine.config import NAMED_SHAPES
 from tandem.engine.gguf import hf_name, unpermute_rope
 from tandem.engine.loader import (
@@ -203,3 +206,15 @@ def test_hf_directory_sharded_with_index(tmp_path: Path) -> None:
     assert sorted(load_weights(src, torch.float32)) == sorted(names)
     assert load_tokenizer(src) is None  # no tokenizer files: token-id prompts only
     assert load_model_config(src).eos_token_ids == (7, 9)  # generation_config's eos count too
+
+
+def test_a_process_started_from_the_checkouts_root_sees_no_subpackage_as_top_level() -> None:
+    """`python -m tandem...` from the checkout's root puts it on the path, where `kernels`
+    (ours) would shadow Hugging Face's, which transformers imports; importing tandem takes
+    the root off the path again."""
+    root = Path(tandem.__file__).resolve().parent
+    probe = ("import importlib.util, tandem; spec = importlib.util.find_spec('kernels'); "
+             "print(spec.origin if spec else '')")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.strip()
+    assert not out or Path(out).resolve() != root / "kernels" / "__init__.py", out
