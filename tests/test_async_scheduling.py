@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+from prompts import CHAT, RAW
 
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import PENDING_TOKEN
 from tandem.engine.sampling_params import SamplingParams
-from tests.prompts import CHAT, RAW
 
 
 def make_engine(async_scheduling: bool, num_blocks: int | None = None,
