@@ -210,6 +210,33 @@ def test_the_pushed_kv_is_the_prefill_nodes_own(prefill: Prefill, decode: Decode
     assert prefill.free_blocks() == NUM_BLOCKS
 
 
+@contextlib.contextmanager
+def _ipc_pair(connector: IpcConnector) -> Iterator[tuple[Prefill, Decode]]:
+    """A prefill role and a transfer agent over `connector`, closed (connector too) after."""
+    p = _start_prefill(connector)
+    decode = _start_decode(p, connector)
+    try:
+        yield p, decode
+    finally:
+        decode.agent.close()
+        _stop_prefill(p)
+        connector.close()
+
+
+@contextlib.contextmanager
+def _one_step(p: Prefill, prompts: int) -> Iterator[None]:
+    """The loop held while the block hands over `prompts` prefills, then let go: the
+    step after completes them all."""
+    held, release = threading.Event(), threading.Event()
+    p.loop.submit(lambda engine: (held.set(), release.wait(10)))
+    assert held.wait(10)
+    try:
+        yield
+        assert wait_until(lambda: len(p.role.request_ids()) == prompts)
+    finally:
+        release.set()
+
+
 class _SendersSeen(IpcConnector):
     """The ipc connector, noting the thread each push opens its sender from."""
 
@@ -227,17 +254,12 @@ def test_whole_pushes_of_one_step_share_a_thread_and_each_lands_exact() -> None:
     completes (the loop held while they are added) are pushed from one thread (a gang,
     not a thread each), and each sink gets its own prompt's KV."""
     connector = _SendersSeen()
-    p = _start_prefill(connector)
-    decode = _start_decode(p, connector)
-    try:
-        held, release = threading.Event(), threading.Event()
-        p.loop.submit(lambda engine: (held.set(), release.wait(10)))
-        assert held.wait(10)
-        sinks = {f"g{i}": decode.reserve(f"g{i}", 2) for i in range(8)}
-        calls = [_in_thread(lambda rid=rid, sink=sink, i=i: p.role.prefill(
-            _request(rid, 6, seed=10 + i), sink, 0)) for i, (rid, sink) in enumerate(sinks.items())]
-        assert wait_until(lambda: len(p.role.request_ids()) == 8)
-        release.set()
+    with _ipc_pair(connector) as (p, decode):
+        with _one_step(p, 8):
+            sinks = {f"g{i}": decode.reserve(f"g{i}", 2) for i in range(8)}
+            calls = [_in_thread(lambda rid=rid, sink=sink, i=i: p.role.prefill(
+                _request(rid, 6, seed=10 + i), sink, 0))
+                for i, (rid, sink) in enumerate(sinks.items())]
         for thread, out in calls:
             thread.join(10)
             assert out and not isinstance(out[0], BaseException), out
@@ -247,10 +269,6 @@ def test_whole_pushes_of_one_step_share_a_thread_and_each_lands_exact() -> None:
             assert_blocks_equal(decode.caches, sink.block_ids, p.computed_kv[rid], range(2))
         assert p.role.transfers_failed == 0
         assert wait_until(lambda: p.free_blocks() == NUM_BLOCKS)
-    finally:
-        decode.agent.close()
-        _stop_prefill(p)
-        connector.close()
 
 
 def test_a_stuck_receiver_holds_up_no_push_of_its_step_to_another() -> None:
@@ -258,37 +276,25 @@ def test_a_stuck_receiver_holds_up_no_push_of_its_step_to_another() -> None:
     never replies (its blocks are a real agent's, so the write goes through), the
     other's from the real agent. The second's push ends while the first still waits,
     which fails after its reply timeout."""
-    connector = IpcConnector()
-    p = _start_prefill(connector)
-    decode = _start_decode(p, connector)
     server, address = _listener()
-    try:
-        with server:
-            held, release = threading.Event(), threading.Event()
-            p.loop.submit(lambda engine: (held.set(), release.wait(10)))
-            assert held.wait(10)
+    with _ipc_pair(IpcConnector()) as (p, decode), server:
+        with _one_step(p, 2):
             stuck_sink = dataclasses.replace(decode.reserve("stuck", 2), address=address)
             started = time.monotonic()
             stuck, stuck_out = _in_thread(
                 lambda: p.role.prefill(_request("stuck", 6, seed=1), stuck_sink, 0))
             ok, ok_out = _in_thread(
                 lambda: p.role.prefill(_request("ok", 6, seed=2), decode.reserve("ok", 2), 0))
-            assert wait_until(lambda: len(p.role.request_ids()) == 2)
-            release.set()
-            ok.join(REPLY_TIMEOUT_S / 2)
-            assert not ok.is_alive(), "the push to the good receiver waited for the stuck one"
-            assert ok_out and not isinstance(ok_out[0], BaseException), ok_out
-            assert stuck.is_alive()
-            stuck.join(REPLY_TIMEOUT_S + 5)
+        ok.join(REPLY_TIMEOUT_S / 2)
+        assert not ok.is_alive(), "the push to the good receiver waited for the stuck one"
+        assert ok_out and not isinstance(ok_out[0], BaseException), ok_out
+        assert stuck.is_alive()
+        stuck.join(REPLY_TIMEOUT_S + 5)
         assert isinstance(stuck_out[0], TransferError) and "no 'done'" in str(stuck_out[0])
         assert REPLY_TIMEOUT_S <= time.monotonic() - started < REPLY_TIMEOUT_S + 5
         assert decode.agent.wait_ready("ok", timeout=5)
         assert p.role.transfers_failed == 1
         assert wait_until(lambda: p.free_blocks() == NUM_BLOCKS)
-    finally:
-        decode.agent.close()
-        _stop_prefill(p)
-        connector.close()
 
 
 def test_a_prompt_whose_id_the_engine_holds_is_refused_uncounted(prefill: Prefill,
