@@ -23,6 +23,13 @@ was accepted on (kinds below; each is one message of protos/transfer.proto, whic
     sender -> abort {reason}                            at any time: the sender gave up
     sender <- abort {reason}                            at any time: receiver abort or TTL
 
+An ipc sender that has written whole prompts into their sinks tells of them together:
+
+    sender -> written {layout, pid, sinks: [{request_id, num_blocks, first_token[, auth,
+                       event]}]}                 for each sink, its begin, every layer and
+                                                 its end; no accept
+    sender <- done | abort {reason}              one per sink
+
 A reservation owns its block ids from `reserve` until it is released to the caller
 (`release`, after ready) or fails. It fails, and `free_blocks` is called exactly once, on
 TTL expiry before release, on `abort` here, on an abort frame, on a layout or protocol
@@ -76,7 +83,7 @@ from tandem.kvtransfer.connector import (
 )
 from tandem.kvtransfer.ipc import WriteGuard
 from tandem.kvtransfer.layout import KVLayout, LayoutMismatch
-from tandem.kvtransfer.messages import ABORT, ACCEPT, BEGIN, DONE, END, LAYER
+from tandem.kvtransfer.messages import ABORT, ACCEPT, BEGIN, DONE, END, LAYER, WRITTEN
 from tandem.kvtransfer.staging import KVRows, StagingPool
 
 log = logging.getLogger(__name__)
@@ -387,6 +394,9 @@ class TransferAgent:
 
     def _on_frame(self, frame: Frame) -> None:
         kind = frame.header.get("kind")
+        if kind == WRITTEN:  # (messages.decode checked each sink's request id)
+            self._on_written(frame.header, frame.peer or "")
+            return
         handler = {BEGIN: self._on_begin, LAYER: self._on_layer, END: self._on_end,
                    ABORT: self._on_abort}.get(kind)
         if handler is None:
@@ -396,18 +406,34 @@ class TransferAgent:
             raise TransferError(f"a {kind} frame without a request id")
         handler(frame.header, frame.payload, frame.peer or "")
 
-    def _on_begin(self, header: dict[str, Any], _: torch.Tensor | None, peer: str) -> None:
+    def _on_written(self, header: dict[str, Any], peer: str) -> None:
+        """ipc: each sink's begin, its every layer and its end, as if they came one by
+        one, less the accept (its sender waits for none): a done or an abort each."""
+        whole = {"kind": LAYER, "layer": 0, "layers": self.layout.num_layers}
+        for entry in header["sinks"]:
+            rid = entry["request_id"]
+            begin = {"kind": BEGIN, "request_id": rid, "layout": header["layout"],
+                     "num_blocks": entry["num_blocks"], "auth": entry.get("auth"),
+                     "writer": {"pid": header["pid"], "event": entry.get("event")}}
+            if self._on_begin(begin, None, peer, accept=False):
+                self._on_layer({**whole, "request_id": rid}, None, peer)
+                self._on_end({"kind": END, "request_id": rid,
+                              "first_token": entry["first_token"]}, None, peer)
+
+    def _on_begin(self, header: dict[str, Any], _: torch.Tensor | None, peer: str,
+                  accept: bool = True) -> bool:
+        """Whether the sink took the transfer (`accept`: and the sender was told so)."""
         rid = header["request_id"]
         trace.mark(rid, "agent.begin")
         if not verify(self._secret, rid, header.get("auth")):
             # Leave the sink be: its real sender may still begin.
             why = "begin without a valid proof of the cluster secret"
             self._reply(peer, _abort(rid, why, UNAUTHENTICATED))
-            return
+            return False
         sink = self._get(rid)
         if sink is None or sink.state is not State.RESERVED:
             self._reply(peer, _abort(rid, f"no open reservation for {rid!r}: {_describe(sink)}"))
-            return
+            return False
         try:
             sender_layout = KVLayout.from_dict(header.get("layout", {}))
             self.layout.check(sender_layout, "on the receiver", "on the sender")
@@ -418,16 +444,17 @@ class TransferAgent:
             written = None if "writer" not in header else self._writer(header["writer"])
         except TransferError as exc:
             self._fail(sink, str(exc), notify=True, peer=peer, error=_code(exc))
-            return
+            return False
         with self._lock:
             accepted = sink.state is State.RESERVED  # not expired or aborted meanwhile
             if accepted:
                 sink.state, sink.peer = State.RECEIVING, peer
                 sink.direct, sink.written = "writer" in header, written
-        if accepted:
-            self._reply(peer, Frame({"kind": ACCEPT, "request_id": rid}))
-        else:
+        if not accepted:
             self._reply(peer, _abort(rid, f"reservation {_describe(sink)}"))
+        elif accept:
+            self._reply(peer, Frame({"kind": ACCEPT, "request_id": rid}))
+        return accepted
 
     def _on_layer(self, header: dict[str, Any], payload: torch.Tensor | None, peer: str) -> None:
         rid, layer = header["request_id"], header.get("layer")

@@ -15,7 +15,7 @@ allocates anything for the frame. Nothing here unpickles or parses JSON.
 
 A header's `dtype` and `shape` (only a layer's) describe the payload that follows it;
 `next` (a begin's or a layer's) is the header of the next planned layer message, one
-level deep.
+level deep. A `written` message's `sinks` is a list of dicts, one per sink.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from tandem.protos import transfer_pb2 as pb
 Header = dict[str, Any]
 
 BEGIN, ACCEPT, LAYER, END, DONE, ABORT = "begin", "accept", "layer", "end", "done", "abort"
+WRITTEN = "written"  # ipc: whole pushes' begin, layers and end, many at once
 NCCL_HELLO, NCCL_WELCOME = "nccl_hello", "nccl_welcome"  # the nccl connector's own
 
 # Per kind (the envelope's oneof field of that name): its scalar fields, required and
@@ -45,8 +46,12 @@ _SCALARS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ABORT: (("request_id",), ("reason", "error", "auth")),
     NCCL_HELLO: (("backend",), ("nonce", "at", "auth")),
     NCCL_WELCOME: (("store_port", "pair"), ()),
+    WRITTEN: (("pid",), ()),
 }
-_NESTED = {BEGIN: ("layout", "writer", "next"), LAYER: ("shape", "next")}
+_NESTED = {BEGIN: ("layout", "writer", "next"), LAYER: ("shape", "next"),
+           WRITTEN: ("layout", "sinks")}
+# A written message's sinks (at least one): each a dict of these, the first three required.
+_WRITTEN_SINK = (("request_id", "num_blocks", "first_token"), ("auth", "event"))
 KINDS = tuple(_SCALARS)
 _LAYOUT_FIELDS = tuple(f.name for f in pb.Layout.DESCRIPTOR.fields)
 # ipc_mapping.export's description of a tensor: scalars (all required), then the rest.
@@ -108,6 +113,18 @@ def _header_to_pb(kind: str, header: Header, msg: Message, top: bool = True) -> 
         raise ValueError("a payload's dtype and shape go together")
     if "shape" in header:
         msg.shape.extend(header["shape"])
+    if kind == WRITTEN:
+        if not header.get("sinks"):
+            raise ValueError("a written message names no sink")
+        for sink in header["sinks"]:
+            if extra := sink.keys() - {*_WRITTEN_SINK[0], *_WRITTEN_SINK[1]}:
+                raise ValueError(f"no fields {sorted(extra)} in a written sink")
+            if missing := [name for name in _WRITTEN_SINK[0] if sink.get(name) is None]:
+                raise ValueError(f"a written sink without {missing}")
+            entry = msg.sinks.add()
+            for name, value in sink.items():
+                if value is not None:
+                    setattr(entry, name, value)
     if "next" in header:
         if header["next"].get("kind") != LAYER:
             raise ValueError("`next` announces a layer message")
@@ -117,12 +134,16 @@ def _header_to_pb(kind: str, header: Header, msg: Message, top: bool = True) -> 
 def _header_from_pb(kind: str, msg: Message, top: bool = True) -> Header:
     required, optional = _SCALARS[kind]
     header: Header = {"kind": kind, **_scalars(msg, required, optional, kind)}
-    if kind == BEGIN:
+    if kind in (BEGIN, WRITTEN):
         if not msg.HasField("layout"):
-            raise TransferError("a begin message without layout")
+            raise TransferError(f"a {kind} message without layout")
         header["layout"] = {name: getattr(msg.layout, name) for name in _LAYOUT_FIELDS}
-        if msg.HasField("writer"):
-            header["writer"] = _writer_from_pb(msg.writer)
+    if kind == BEGIN and msg.HasField("writer"):
+        header["writer"] = _writer_from_pb(msg.writer)
+    if kind == WRITTEN:
+        if not msg.sinks:
+            raise TransferError("a written message without sinks")
+        header["sinks"] = [_scalars(sink, *_WRITTEN_SINK, "written sink") for sink in msg.sinks]
     if kind == LAYER:
         if "dtype" in header:
             header["shape"] = list(msg.shape)
@@ -158,8 +179,9 @@ def _has_unknown(msg: Message) -> bool:
     whose wire type was not its field's (protobuf keeps both as unknown)."""
     if len(unknown_fields.UnknownFieldSet(msg)):
         return True
-    return any(field.message_type is not None and _has_unknown(value)
-               for field, value in msg.ListFields())
+    return any(field.message_type is not None and any(
+        _has_unknown(item) for item in (value if field.is_repeated else (value,)))
+        for field, value in msg.ListFields())
 
 
 # -- the ipc sink target (SinkInfo.target) -------------------------------------------------

@@ -25,7 +25,11 @@ enqueued on the current stream right after the layers' compute, records a CUDA I
 after it, and tells the receiver (`begin` names the event; a layer message is a header
 only). With `all_computed` it does not wait for the receiver's `accept` either: the
 receiver's write guard decides which blocks a write may touch, so every layer is written,
-in one kernel, as soon as it is handed over, and a refusal is heard by `finish`.
+in one kernel, as soon as it is handed over, and a refusal is heard by `finish`. Such
+pushes to one receiver may also go together (the prefill role's ipc pushes of one step):
+each is written alone (`write`: no frame), then `send_written` tells the receiver of them
+all in one `written` message, each with its first token, and waits for each one's done:
+one frame out for them all and one in each, not three out and two in each.
 
 `kv_caches` is the per-layer caches, or a `KVRows` over them built once and passed to
 every push (it reads the caches' layout once, not per push).
@@ -57,7 +61,7 @@ from tandem.kvtransfer.agent import LAYOUT_MISMATCH, SinkInfo
 from tandem.kvtransfer.connector import Connector, Frame, Sender, SendHandle, TransferError
 from tandem.kvtransfer.ipc import Target
 from tandem.kvtransfer.layout import KVLayout, LayoutMismatch
-from tandem.kvtransfer.messages import ABORT, ACCEPT, BEGIN, DONE, END, LAYER
+from tandem.kvtransfer.messages import ABORT, ACCEPT, BEGIN, DONE, END, LAYER, WRITTEN
 from tandem.kvtransfer.staging import KVRows, device_ids
 
 
@@ -201,6 +205,23 @@ class KVPush:
             self._flush()
             if self._direct:
                 self._raise_if_aborted()
+
+    def write(self) -> None:
+        """Direct, every layer computed (on CUDA: enqueued on the current stream): write
+        them all into the sink now, and tell the receiver nothing yet: `send_written`
+        tells it of this push and others to it in one message. Raises TransferError
+        (LayoutMismatch) as `start` does, the push aborted."""
+        if not (self._direct and self._plan):
+            raise ValueError("only a direct push with every layer computed writes alone")
+        try:
+            self.layout.check(KVLayout.from_dict(self.sink.layout), "on the sender",
+                              "on the receiver")
+            self._target = self._open_target()
+        except TransferError as exc:
+            self.abort(str(exc))
+            raise
+        self._write(0, self.layout.num_layers)
+        self._handed, self._sent_messages = self.layout.num_layers, len(self._plan)
 
     def finish(self, first_token: int | None = None) -> None:
         """Close the transfer; returns once the receiver confirmed every layer landed.
@@ -420,10 +441,18 @@ class KVPush:
         if frame.header.get("kind") != ABORT or not self._ours(frame):
             return
         self.close()
-        reason = frame.header.get("reason", "")
-        if frame.header.get("error") == LAYOUT_MISMATCH:
-            raise LayoutMismatch(reason)
-        raise TransferError(f"aborted by receiver: {reason}")
+        raise _abort_error(frame)
+
+    def _written_sink(self, first_token: int) -> dict[str, Any]:
+        """This push (written) as a `written` message names it."""
+        entry: dict[str, Any] = {"request_id": self.sink.request_id,
+                                 "num_blocks": len(self.sink.block_ids),
+                                 "first_token": first_token}
+        if self._auth is not None:
+            entry["auth"] = self._auth
+        if self._written is not None:
+            entry["event"] = self._written.handle
+        return entry
 
     def _tell_receiver_we_gave_up(self, reason: str) -> None:
         """An abort frame on a short-lived connection, so the sink is freed now, not at
@@ -439,6 +468,55 @@ class KVPush:
             pass
         finally:
             sender.close()
+
+
+def _abort_error(frame: Frame) -> TransferError:
+    """What a push raises for the receiver's abort `frame`."""
+    reason = frame.header.get("reason", "")
+    if frame.header.get("error") == LAYOUT_MISMATCH:
+        return LayoutMismatch(reason)
+    return TransferError(f"aborted by receiver: {reason}")
+
+
+def send_written(pushes: Sequence[KVPush], first_tokens: Sequence[int]
+                 ) -> list[BaseException | None]:
+    """Tell the receiver of `pushes` (each written, `KVPush.write`; one receiver's, of one
+    connector and layout) of them all in one message, each with its first token, and
+    wait for each one's reply, within the reply timeout: None for its done, else why it
+    failed. Each push is closed once this returns."""
+    head = pushes[0]
+    waiting = {push.sink.request_id: i for i, push in enumerate(pushes)}
+    out: list[BaseException | None] = [None] * len(pushes)
+    sender: Sender | None = None
+    try:
+        sender = head._connector.sender(head.sink.address, head._connect_timeout)
+        sinks = [push._written_sink(token)
+                 for push, token in zip(pushes, first_tokens, strict=True)]
+        sender.send(Frame({"kind": WRITTEN, "layout": head.layout.to_dict(),
+                           "pid": os.getpid(), "sinks": sinks}), head._send_timeout)
+        deadline = time.monotonic() + head._reply_timeout
+        while waiting and ((frame := sender.poll(max(0.0, deadline - time.monotonic())))
+                           is not None or time.monotonic() < deadline):
+            kind = frame.header.get("kind") if frame is not None else None
+            if kind in (DONE, ABORT) and (i := waiting.pop(frame.header.get("request_id"),
+                                                           None)) is not None:
+                out[i] = _abort_error(frame) if kind == ABORT else None
+        late = TransferError(f"no 'done' from {head.sink.address} in {head._reply_timeout:g}s")
+        for i in waiting.values():
+            out[i] = late
+    except TransferError as exc:  # the connection failed: every push not answered did
+        for i in waiting.values():
+            out[i] = exc
+    finally:
+        if sender is None:
+            pass
+        elif waiting:  # those left waiting are aborted (an abort frame, or the connection)
+            sender.close()
+        else:
+            sender.release()
+        for push in pushes:
+            push.close()
+    return out
 
 
 def push(

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from tandem.kvtransfer.connector import Frame, Sender, TransferError
-from tandem.kvtransfer.messages import ABORT, BEGIN, DONE
+from tandem.kvtransfer.messages import ABORT, BEGIN, DONE, WRITTEN
 from tandem.kvtransfer.wire import HostStaging, recv_frame, send_frame
 
 log = logging.getLogger(__name__)
@@ -295,6 +295,11 @@ class TcpSender(Sender):
 
     def _note(self, header: dict, sent: bool) -> None:
         """Route `header`'s request back here; keep `_open` (begun, no end seen)."""
+        if header.get("kind") == WRITTEN:  # a begin of each sink's, as far as this goes
+            for sink in header["sinks"]:
+                self._note({"kind": BEGIN, "request_id": sink["request_id"],
+                            "auth": sink.get("auth")}, sent)
+            return
         rid, kind = header.get("request_id"), header.get("kind")
         if not isinstance(rid, str):
             return

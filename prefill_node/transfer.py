@@ -35,7 +35,7 @@ from tandem.engine import trace
 from tandem.engine.llm_engine import bind_thread
 from tandem.kvtransfer.agent import SinkInfo
 from tandem.kvtransfer.connector import TransferError
-from tandem.kvtransfer.sender import KVPush
+from tandem.kvtransfer.sender import KVPush, send_written
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class Gang:
         bind_thread(device)
         stream = _stream(device)
         errors: dict[Transfer, BaseException] = {}
-        opened: list[tuple[Transfer, KVPush]] = []
+        written: list[tuple[Transfer, KVPush]] = []
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 try:
@@ -193,22 +193,29 @@ class Gang:
                         try:
                             target = transfer._result(transfer._target, "sink did not come "
                                                       "within its hold")
-                            opened.append((transfer, transfer._opened(target)))
+                            written.append((transfer, transfer._written(target)))
                         except BaseException as exc:  # noqa: BLE001 - that push's end
                             errors[transfer] = exc
-                    ended = []
-                    for transfer, push in opened:  # the first tokens come from one step
+                    told, tokens = [], []
+                    for transfer, push in written:  # the first tokens come from one step
                         try:
-                            transfer._send_end(push)
-                            ended.append((transfer, push))
+                            tokens.append(transfer._result(
+                                transfer._first_token,
+                                "first token was not sampled before the sink expired"))
+                            told.append((transfer, push))
                         except BaseException as exc:  # noqa: BLE001 - as above
+                            push.abort(f"{type(exc).__name__}: {exc}")
                             errors[transfer] = exc
-                    for transfer, push in ended:  # the replies are on their way together
-                        try:
-                            transfer._finished(push)
-                        except BaseException as exc:  # noqa: BLE001 - as above
-                            errors[transfer] = exc
+                    if told:  # one message for them all; the replies come together
+                        ends = send_written([push for _, push in told], tokens)
+                        for (transfer, push), error in zip(told, ends, strict=True):
+                            if error is None:
+                                trace.mark(push.sink.request_id, "push.done")
+                            else:
+                                errors[transfer] = error
                 finally:
+                    for _, push in written:
+                        push.close()
                     if stream is not None:  # the writes have read the blocks
                         stream.synchronize()
         except BaseException as exc:  # noqa: BLE001 - the stream failed: every push did
@@ -342,6 +349,18 @@ class Transfer:
         push = self._opened(target)
         self._send_end(push)
         self._finished(push)
+
+    def _written(self, target: Target) -> KVPush:
+        """A gang's push: opened and written, the receiver not yet told; an error aborts
+        it."""
+        push = self._open_push(target)
+        with contextlib.ExitStack() as on_error:
+            on_error.push(push)
+            self._next_layer()  # the last layer's: every other's compute came before it
+            push.write()
+            trace.mark(push.sink.request_id, "push.started")
+            on_error.pop_all()
+        return push
 
     def _opened(self, target: Target) -> KVPush:
         """The push opened and every layer sent; an error aborts it."""

@@ -30,7 +30,7 @@ from tandem.kvtransfer.agent import SinkInfo, State, TransferAgent
 from tandem.kvtransfer.connector import Frame, TransferError
 from tandem.kvtransfer.ipc import IpcConnector
 from tandem.kvtransfer.layout import KVLayout
-from tandem.kvtransfer.sender import KVPush, push
+from tandem.kvtransfer.sender import KVPush, push, send_written
 from tandem.kvtransfer.tcp import TcpConnector
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -286,6 +286,47 @@ def test_sinks_reserved_together_take_their_own_pushes() -> None:
     _reserve_many_and_push("cpu")
 
 
+def _written_together(device: str) -> None:
+    """Whole pushes told of in one `written` message (the prefill role's pushes of one
+    step): each sink is answered alone. Two land exact, their first tokens heard; one
+    whose reservation was aborted meanwhile, and one without the cluster secret's proof,
+    are refused, the second leaving its sink reserved (a forged begin takes nothing
+    over)."""
+    src, dst = make_caches(16, seed=1, device=device), make_caches(16, seed=2, device=device)
+    layout, connector, blocks = KVLayout.of(dst, MODEL), IpcConnector(), PoolBlocks(16)
+    firsts: dict[str, int] = {}
+    agent = TransferAgent(dst, layout, connector, blocks.free, secret=b"s",
+                          on_end=lambda rid, token: firsts.__setitem__(rid, token))
+    try:
+        sinks = {rid: agent.reserve(rid, blocks.allocate(2), ttl_s=30)
+                 for rid in ("a", "gone", "forged", "b")}
+        sources = {"a": [0, 1], "gone": [2, 3], "forged": [4, 5], "b": [6, 7]}
+        pushes = [KVPush(connector, sinks[rid], src, sources[rid], layout, all_computed=True,
+                         secret=b"wrong" if rid == "forged" else b"s") for rid in sinks]
+        for p in pushes:
+            p.write()
+        assert agent.abort("gone")
+        ends = dict(zip(sinks, send_written(pushes, [5, 8, 9, 6]), strict=True))
+        assert ends["a"] is None and ends["b"] is None, ends
+        assert isinstance(ends["gone"], TransferError) and "no open reservation" in str(
+            ends["gone"])
+        assert isinstance(ends["forged"], TransferError) and "valid proof" in str(
+            ends["forged"])
+        assert firsts == {"a": 5, "b": 6}
+        assert agent.status("forged").state is State.RESERVED
+        for rid in ("a", "b"):
+            assert agent.status(rid).state is State.READY
+            assert_blocks_equal(dst, list(sinks[rid].block_ids), src, sources[rid])
+        assert blocks.num_free == 16 - 6  # gone's went back
+    finally:
+        agent.close()
+        connector.close()
+
+
+def test_whole_pushes_told_together_are_answered_each_alone() -> None:
+    _written_together("cpu")
+
+
 def test_a_receiver_without_ipc_refuses_an_ipc_sender() -> None:
     src, dst = make_caches(16, seed=1), make_caches(16, seed=2)
     layout = KVLayout.of(dst, MODEL)
@@ -348,6 +389,11 @@ def test_round_trip_on_cuda() -> None:
 @needs_cuda
 def test_sinks_reserved_together_take_their_own_pushes_on_cuda() -> None:
     _reserve_many_and_push("cuda")
+
+
+@needs_cuda
+def test_whole_pushes_told_together_are_answered_each_alone_on_cuda() -> None:
+    _written_together("cuda")
 
 
 @needs_cuda

@@ -237,23 +237,34 @@ def _one_step(p: Prefill, prompts: int) -> Iterator[None]:
         release.set()
 
 
-class _SendersSeen(IpcConnector):
-    """The ipc connector, noting the thread each push opens its sender from."""
+class _FramesSeen(IpcConnector):
+    """The ipc connector, noting the thread each frame is sent from and its kind (with
+    a written message's request ids)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.threads: list[int] = []
+        self.sent: list[tuple[int, str, list[str]]] = []
 
     def sender(self, address: str, timeout: float):  # noqa: ANN201 - the connector's type
-        self.threads.append(threading.get_ident())
-        return super().sender(address, timeout)
+        sender = super().sender(address, timeout)
+        send = sender.send
+
+        def noted(frame: Frame, timeout: float | None = None) -> None:
+            header = frame.header
+            rids = [s["request_id"] for s in header.get("sinks", [])] or [header["request_id"]]
+            self.sent.append((threading.get_ident(), header["kind"], rids))
+            send(frame, timeout)
+
+        sender.send = noted
+        return sender
 
 
-def test_whole_pushes_of_one_step_share_a_thread_and_each_lands_exact() -> None:
+def test_whole_pushes_of_one_step_share_a_thread_and_a_message_and_each_lands_exact() -> None:
     """ipc writes a prompt once its last layer is computed. Eight prompts that one step
     completes (the loop held while they are added) are pushed from one thread (a gang,
-    not a thread each), and each sink gets its own prompt's KV."""
-    connector = _SendersSeen()
+    not a thread each), told of in one `written` message (not a begin, a layer and an
+    end each), and each sink gets its own prompt's KV."""
+    connector = _FramesSeen()
     with _ipc_pair(connector) as (p, decode):
         with _one_step(p, 8):
             sinks = {f"g{i}": decode.reserve(f"g{i}", 2) for i in range(8)}
@@ -263,7 +274,8 @@ def test_whole_pushes_of_one_step_share_a_thread_and_each_lands_exact() -> None:
         for thread, out in calls:
             thread.join(10)
             assert out and not isinstance(out[0], BaseException), out
-        assert len(connector.threads) == 8 and len(set(connector.threads)) == 1
+        assert [(kind, sorted(rids)) for _, kind, rids in connector.sent] == [
+            ("written", sorted(sinks))]
         for rid, sink in sinks.items():
             assert decode.agent.wait_ready(rid, timeout=5)
             assert_blocks_equal(decode.caches, sink.block_ids, p.computed_kv[rid], range(2))

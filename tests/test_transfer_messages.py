@@ -47,7 +47,11 @@ HEADERS: list[dict[str, Any]] = [
     {"kind": "abort", "request_id": "r", "reason": "gave up", "auth": PROOF},
     {"kind": "nccl_hello", "backend": "gloo"},
     {"kind": "nccl_welcome", "store_port": 29500, "pair": "tandem-kv/1.2.3.4:5/0/"},
+    {"kind": "written", "layout": LAYOUT, "pid": 4242, "sinks": [
+        {"request_id": "r", "num_blocks": 3, "first_token": 0, "event": "00ff" * 16},
+        {"request_id": "s", "num_blocks": 1, "first_token": 7, "auth": PROOF}]},
 ]
+WRITTEN = HEADERS[-1]
 
 
 @pytest.mark.parametrize("header", HEADERS, ids=lambda h: h["kind"])
@@ -87,6 +91,12 @@ def test_a_tuple_shape_travels_as_a_list() -> None:
         ({"kind": "layer", "request_id": "r", "layer": 0, "dtype": "int8"}, "dtype and shape go"),
         ({**NEXT, "next": {**NEXT, "next": NEXT}}, r"no fields \['next'\]"),
         ({**NEXT, "next": {"kind": "end", "request_id": "r"}}, "announces a layer message"),
+        ({**WRITTEN, "sinks": []}, "names no sink"),
+        ({**WRITTEN, "sinks": [{"request_id": "r", "num_blocks": 3}]},
+         r"written sink without \['first_token'\]"),
+        ({**WRITTEN, "sinks": [{**WRITTEN["sinks"][0], "layer": 0}]},
+         r"no fields \['layer'\] in a written sink"),
+        ({**WRITTEN, "pid": None}, r"missing \['pid'\]"),
     ],
 )
 def test_a_header_that_is_no_message_of_its_kind_is_not_sent(
@@ -144,6 +154,14 @@ MALFORMED = {
                                            + _field(5, 2, b"\x04")),
                                  "end message with unknown or mistyped fields"),
     "bad utf-8": (_envelope(END, _field(1, 2, b"\xff")), "not a transfer message"),
+    "written without sinks": (pb.Envelope(written=pb.Written(layout=pb.Layout(**LAYOUT), pid=1))
+                              .SerializeToString(), "written message without sinks"),
+    "written sink without first_token": (pb.Envelope(written=pb.Written(
+        layout=pb.Layout(**LAYOUT), pid=1, sinks=[pb.WrittenSink(request_id="r", num_blocks=1)]))
+        .SerializeToString(), "written sink message without first_token"),
+    "a written sink's unknown field": (_envelope(9, _field(2, 0, b"\x01") + _field(3, 2, _field(
+        1, 2, b"r") + _field(2, 0, b"\x01") + _field(5, 0, b"\x00") + _field(9, 0, b"\x01"))),
+        "written message with unknown or mistyped fields"),
     "truncated": (VALID[:-1], "not a transfer message"),
 }
 
