@@ -28,7 +28,8 @@ An ipc sender that has written whole prompts into their sinks tells of them toge
     sender -> written {layout, pid, sinks: [{request_id, num_blocks, first_token[, auth,
                        event]}]}                 for each sink, its begin, every layer and
                                                  its end; no accept
-    sender <- done | abort {reason}              one per sink
+    sender <- abort {reason}                     for each sink refused, as it is
+    sender <- done {request_id[, more]}          every sink done, in one
 
 A reservation owns its block ids from `reserve` until it is released to the caller
 (`release`, after ready) or fails. It fails, and `free_blocks` is called exactly once, on
@@ -410,6 +411,7 @@ class TransferAgent:
         """ipc: each sink's begin, its every layer and its end, as if they came one by
         one, less the accept (its sender waits for none): a done or an abort each."""
         whole = {"kind": LAYER, "layer": 0, "layers": self.layout.num_layers}
+        done: list[str] = []  # answered in one frame at the end
         for entry in header["sinks"]:
             rid = entry["request_id"]
             begin = {"kind": BEGIN, "request_id": rid, "layout": header["layout"],
@@ -418,7 +420,9 @@ class TransferAgent:
             if self._on_begin(begin, None, peer, accept=False):
                 self._on_layer({**whole, "request_id": rid}, None, peer)
                 self._on_end({"kind": END, "request_id": rid,
-                              "first_token": entry["first_token"]}, None, peer)
+                              "first_token": entry["first_token"]}, None, peer, done)
+        if done:
+            self._reply(peer, Frame({"kind": DONE, "request_id": done[0], "more": done[1:]}))
 
     def _on_begin(self, header: dict[str, Any], _: torch.Tensor | None, peer: str,
                   accept: bool = True) -> bool:
@@ -538,14 +542,20 @@ class TransferAgent:
             return None
         return self._connector.mapped.event(pid, str(handle), self._device)
 
-    def _on_end(self, header: dict[str, Any], _: torch.Tensor | None, peer: str) -> None:
+    def _on_end(self, header: dict[str, Any], _: torch.Tensor | None, peer: str,
+                done: list[str] | None = None) -> None:
+        """`done`: where a sink that is done goes, to be answered with others (else its
+        done is sent now)."""
         rid = header["request_id"]
         trace.mark(rid, "agent.end")
         with self._lock:
             sink = self._sinks.get(rid)
             state = None if sink is None or sink.peer != peer else sink.state
         if state in (State.READY, State.RELEASED):
-            self._reply(peer, Frame({"kind": DONE, "request_id": rid}))
+            if done is None:
+                self._reply(peer, Frame({"kind": DONE, "request_id": rid}))
+            else:
+                done.append(rid)
             token = header.get("first_token")
             if state is State.READY and isinstance(token, int):
                 _call(self._on_first_token, rid, token)

@@ -15,7 +15,8 @@ allocates anything for the frame. Nothing here unpickles or parses JSON.
 
 A header's `dtype` and `shape` (only a layer's) describe the payload that follows it;
 `next` (a begin's or a layer's) is the header of the next planned layer message, one
-level deep. A `written` message's `sinks` is a list of dicts, one per sink.
+level deep. A `written` message's `sinks` is a list of dicts, one per sink; a done's
+`more` (a list of request ids, absent if none) answers the others of one.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ _SCALARS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     WRITTEN: (("pid",), ()),
 }
 _NESTED = {BEGIN: ("layout", "writer", "next"), LAYER: ("shape", "next"),
-           WRITTEN: ("layout", "sinks")}
+           WRITTEN: ("layout", "sinks"), DONE: ("more",)}
 # A written message's sinks (at least one): each a dict of these, the first three required.
 _WRITTEN_SINK = (("request_id", "num_blocks", "first_token"), ("auth", "event"))
 KINDS = tuple(_SCALARS)
@@ -113,6 +114,8 @@ def _header_to_pb(kind: str, header: Header, msg: Message, top: bool = True) -> 
         raise ValueError("a payload's dtype and shape go together")
     if "shape" in header:
         msg.shape.extend(header["shape"])
+    if header.get("more"):
+        msg.more.extend(header["more"])
     if kind == WRITTEN:
         if not header.get("sinks"):
             raise ValueError("a written message names no sink")
@@ -144,6 +147,8 @@ def _header_from_pb(kind: str, msg: Message, top: bool = True) -> Header:
         if not msg.sinks:
             raise TransferError("a written message without sinks")
         header["sinks"] = [_scalars(sink, *_WRITTEN_SINK, "written sink") for sink in msg.sinks]
+    if kind == DONE and msg.more:
+        header["more"] = list(msg.more)
     if kind == LAYER:
         if "dtype" in header:
             header["shape"] = list(msg.shape)

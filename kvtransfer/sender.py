@@ -497,10 +497,14 @@ def send_written(pushes: Sequence[KVPush], first_tokens: Sequence[int]
         deadline = time.monotonic() + head._reply_timeout
         while waiting and ((frame := sender.poll(max(0.0, deadline - time.monotonic())))
                            is not None or time.monotonic() < deadline):
-            kind = frame.header.get("kind") if frame is not None else None
-            if kind in (DONE, ABORT) and (i := waiting.pop(frame.header.get("request_id"),
-                                                           None)) is not None:
-                out[i] = _abort_error(frame) if kind == ABORT else None
+            if frame is None:
+                continue
+            if frame.header.get("kind") == DONE:
+                for rid in (frame.header.get("request_id"), *frame.header.get("more", ())):
+                    waiting.pop(rid, None)
+            elif frame.header.get("kind") == ABORT and (
+                    i := waiting.pop(frame.header.get("request_id"), None)) is not None:
+                out[i] = _abort_error(frame)
         late = TransferError(f"no 'done' from {head.sink.address} in {head._reply_timeout:g}s")
         for i in waiting.values():
             out[i] = late

@@ -309,7 +309,8 @@ class TcpSender(Sender):
         if sent and kind == BEGIN:
             self._open[rid] = header.get("auth")
         elif kind == ABORT or (kind == DONE and not sent):
-            self._open.pop(rid, None)
+            for done in (rid, *header.get("more", ())):
+                self._open.pop(done, None)
 
     def _abort(self, rid: str, auth: str | None) -> None:
         header = {"kind": ABORT, "request_id": rid, "reason": "sender closed the transfer"}

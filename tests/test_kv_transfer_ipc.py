@@ -291,7 +291,7 @@ def _written_together(device: str) -> None:
     step): each sink is answered alone. Two land exact, their first tokens heard; one
     whose reservation was aborted meanwhile, and one without the cluster secret's proof,
     are refused, the second leaving its sink reserved (a forged begin takes nothing
-    over)."""
+    over). The two done are answered in one frame."""
     src, dst = make_caches(16, seed=1, device=device), make_caches(16, seed=2, device=device)
     layout, connector, blocks = KVLayout.of(dst, MODEL), IpcConnector(), PoolBlocks(16)
     firsts: dict[str, int] = {}
@@ -306,6 +306,9 @@ def _written_together(device: str) -> None:
         for p in pushes:
             p.write()
         assert agent.abort("gone")
+        sent, reply = [], agent._receiver.reply  # the frames the receiver answers with
+        agent._receiver.reply = lambda peer, frame: (sent.append(frame.header),
+                                                     reply(peer, frame))
         ends = dict(zip(sinks, send_written(pushes, [5, 8, 9, 6]), strict=True))
         assert ends["a"] is None and ends["b"] is None, ends
         assert isinstance(ends["gone"], TransferError) and "no open reservation" in str(
@@ -313,6 +316,8 @@ def _written_together(device: str) -> None:
         assert isinstance(ends["forged"], TransferError) and "valid proof" in str(
             ends["forged"])
         assert firsts == {"a": 5, "b": 6}
+        assert [h for h in sent if h["kind"] == "done"] == [
+            {"kind": "done", "request_id": "a", "more": ["b"]}]  # one frame for both
         assert agent.status("forged").state is State.RESERVED
         for rid in ("a", "b"):
             assert agent.status(rid).state is State.READY

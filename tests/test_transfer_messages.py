@@ -42,6 +42,7 @@ HEADERS: list[dict[str, Any]] = [
     {"kind": "layer", "request_id": "r", "layer": 1},  # ipc: no payload
     {"kind": "end", "request_id": "r"},
     {"kind": "done", "request_id": "r"},
+    {"kind": "done", "request_id": "r", "more": ["s", "t"]},  # a written message's
     {"kind": "abort", "request_id": "r", "reason": ""},
     {"kind": "abort", "request_id": "r", "reason": "layouts differ", "error": "layout_mismatch"},
     {"kind": "abort", "request_id": "r", "reason": "gave up", "auth": PROOF},
