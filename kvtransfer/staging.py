@@ -26,8 +26,9 @@ def _index(block_ids: Sequence[int] | torch.Tensor, device: torch.device) -> tor
 
 def device_ids(*id_lists: Sequence[int], device: torch.device) -> torch.Tensor:
     """The lists of block ids (of one length) as one `[k, n]` int64 tensor on `device`,
-    in one copy. On CUDA it goes from pinned memory, enqueued on the current stream: the
-    caller neither waits for the work queued there (a prefill's layers) nor for the copy."""
+    in one copy. On CUDA it goes from pinned memory (`_PinnedSlots`), enqueued on the
+    current stream: the caller neither waits for the work queued there (a prefill's
+    layers) nor for the copy."""
     if len({len(ids) for ids in id_lists}) > 1:
         raise ValueError(f"id lists of different lengths: {[len(ids) for ids in id_lists]}")
     flat = array.array("q", [b for ids in id_lists for b in ids])  # 3x torch.tensor's speed
@@ -35,7 +36,45 @@ def device_ids(*id_lists: Sequence[int], device: torch.device) -> torch.Tensor:
             else torch.empty(0, dtype=torch.long)).view(len(id_lists), -1)
     if device.type != "cuda":
         return host
-    return host.pin_memory().to(device, non_blocking=True)
+    slots = _pinned.__dict__.setdefault("by_device", {})
+    if device not in slots:
+        slots[device] = _PinnedSlots()
+    return slots[device].to(host, device)
+
+
+_pinned = threading.local()  # each thread's _PinnedSlots, by device
+
+
+class _PinnedSlots:
+    """One thread's pinned host memory for `device_ids`: `SLOTS` slots of `IDS` ids,
+    taken in turn, each written again only once the copy out of it the last time is done
+    (its event). `Tensor.pin_memory` for each push's ids took a fresh pinned allocation
+    whenever the caching host allocator had no free block, and its blocks free up only as
+    their copies run, queued behind the GPU's work: under a 1P1D burst on an H200 the
+    prefill node's push threads spent most of their time in it."""
+
+    SLOTS = 32
+    IDS = 1024  # a push's source and sink ids, up to 512 blocks each; a longer one is pinned
+
+    def __init__(self) -> None:
+        self._host = torch.empty((self.SLOTS, self.IDS), dtype=torch.long, pin_memory=True)
+        self._copied: list[torch.cuda.Event | None] = [None] * self.SLOTS
+        self._next = 0
+
+    def to(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if host.numel() > self.IDS:
+            return host.pin_memory().to(device, non_blocking=True)
+        i, self._next = self._next, (self._next + 1) % self.SLOTS
+        copied = self._copied[i]
+        if copied is None:
+            copied = self._copied[i] = torch.cuda.Event()
+        else:
+            copied.synchronize()  # done long since, unless SLOTS copies are still queued
+        slot = self._host[i, :host.numel()]
+        slot.copy_(host.view(-1))
+        out = slot.view(host.shape).to(device, non_blocking=True)
+        copied.record(torch.cuda.current_stream(device))
+        return out
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from kv_helpers import MODEL, assert_unchanged_except, clone, make_caches
 
 from tandem.kvtransfer.connector import TransferError
 from tandem.kvtransfer.layout import KVLayout, LayoutMismatch
-from tandem.kvtransfer.staging import gather_blocks, scatter_blocks
+from tandem.kvtransfer.staging import _PinnedSlots, device_ids, gather_blocks, scatter_blocks
 
 
 def test_layout_of_caches() -> None:
@@ -93,3 +93,19 @@ def test_scatter_rejects_a_staged_buffer_that_does_not_fit() -> None:
         scatter_blocks(cache, [4, 5], staged)
     with pytest.raises(ValueError, match="does not fit"):
         scatter_blocks(cache, [4, 5, 6], staged.to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_block_ids_reach_the_device_exact_through_reused_pinned_slots() -> None:
+    """`device_ids` on CUDA copies from a thread's few pinned slots, each written again
+    only once its last copy is done: with the stream held up by a long kernel, more
+    lists than there are slots (a longer one than a slot takes too) each land exact."""
+    device = torch.device("cuda")
+    big = torch.randn(4096, 4096, device=device)
+    for _ in range(20):  # the copies queue behind these
+        big = big @ big / 64
+    lists = [([i, i + 1, 3 * i], [7 * i, i, 0]) for i in range(3 * _PinnedSlots.SLOTS)]
+    lists.append((list(range(_PinnedSlots.IDS)), list(range(_PinnedSlots.IDS, 0, -1))))
+    out = [device_ids(*ids, device=device) for ids in lists]
+    for ids, got in zip(lists, out, strict=True):
+        assert got.device.type == "cuda" and got.tolist() == [list(ids[0]), list(ids[1])]
