@@ -12,9 +12,9 @@ for the receiver's accept, gathers each layer from the held blocks (on CUDA on i
 stream, after the layer's event), sends it, and waits for the receiver's `done`. So a
 slow or dead receiver stalls only its own thread, which fails within the push's
 timeouts; the result, the first token joined with the receiver's `done`, comes back
-then. The whole pushes of ipc that one step completes go together, one thread per
-receiver (`transfer.Gang`), once the engine has handed the step's last layer over to
-all of them (its `prefill_handed`).
+then. The whole pushes of ipc that one step completes go together, one thread and one
+message per receiver (`transfer.Gang`), once the engine has handed the step's last layer
+over to all of them (its `prefill_handed`).
 
 Blocks are safe though the gathers run after the step: the request's blocks go back to
 the engine's prefix cache when its step ends, but the held reference keeps them out of

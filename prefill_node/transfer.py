@@ -9,12 +9,13 @@ the layers as they come and ends it with the first token. Its end, an error or N
 goes to `on_end` once every read of the prompt's blocks is done.
 
 The pushes of whole prompts (ipc: one write once the last layer is computed) that one step
-completes run on one thread per receiver (`Gang`): it opens and writes each in turn, ends
-each with its first token, then waits for the replies. Their waits overlap (the first
-tokens come from one step, the replies are in flight together), and one thread does the
-host work that a thread each did at more CPU a push, every thread contending for the GIL
-with the engine's (`benchmarks/push_cpu.py`: 256 pushes, 16 a step, on an H200's host,
-1.50 ms of CPU a push against 1.83).
+completes run on one thread per receiver (`Gang`): it opens and writes each in turn, then,
+their first tokens sampled, tells the receiver of them all in one `written` message and
+waits for its replies (`sender.send_written`). One thread does the host work that a
+thread each did at more CPU a push, every thread contending for the GIL with the engine's,
+and one frame out and one back do what three out and two back per push did
+(`benchmarks/push_cpu.py`: 256 pushes, 16 a step, on an H200's host, 1.17 ms of CPU a push
+against 2.02 with a frame per push's begin, layer and end, and 2.09 with a thread each).
 """
 
 from __future__ import annotations
@@ -134,8 +135,9 @@ def _stream(device: torch.device) -> torch.cuda.Stream | None:
 
 class Gang:
     """The whole pushes one step hands over, run on one of `threads` per receiver in
-    three passes: each is opened and written (in the order handed over), each is ended
-    with its first token, then each waits for its receiver's reply. The engine thread
+    two passes: each is opened and written (in the order handed over), then, with their
+    first tokens, the receiver is told of them all in one message and each waits for its
+    reply (`send_written`). The engine thread
     queues them (`add`) as it hands their last layer over and lets them go once it has
     handed over every one (`flush`, the engine's `prefill_handed`). One whose target is
     not known yet (an early start waiting for its sink) runs on a thread of its own, as
