@@ -486,6 +486,8 @@ def send_written(pushes: Sequence[KVPush], first_tokens: Sequence[int]
     failed. Each push is closed once this returns."""
     head = pushes[0]
     waiting = {push.sink.request_id: i for i, push in enumerate(pushes)}
+    if len(waiting) != len(pushes):  # a reply names its request: each must be one push's
+        raise ValueError("pushes told of together need distinct request ids")
     out: list[BaseException | None] = [None] * len(pushes)
     sender: Sender | None = None
     try:
@@ -512,11 +514,9 @@ def send_written(pushes: Sequence[KVPush], first_tokens: Sequence[int]
         for i in waiting.values():
             out[i] = exc
     finally:
-        if sender is None:
-            pass
-        elif waiting:  # those left waiting are aborted (an abort frame, or the connection)
-            sender.close()
-        else:
+        if sender is not None and waiting:  # those left are aborted (a frame each, or
+            sender.close()                   # the connection's end)
+        elif sender is not None:
             sender.release()
         for push in pushes:
             push.close()
