@@ -156,7 +156,9 @@ def _key(args: tuple, constexprs: tuple) -> tuple:
 def _hooked() -> bool:
     """A profiler asked Triton to hear of every launch: launch through Triton then."""
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    return getattr(runtime, "launch_enter_hook", None) is not None
+    hook = getattr(runtime, "launch_enter_hook", None)
+    # Recent Triton holds an empty chain of hooks here, never None, when no one listens.
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 class _Launch:

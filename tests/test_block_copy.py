@@ -8,6 +8,7 @@ import torch
 from kv_helpers import assert_unchanged_except, clone, make_caches
 from triton_interpreter import HAS_TRITON, run_under_interpreter
 
+from tandem.kernels import block_copy
 from tandem.kernels.block_copy import copy_blocks, copy_blocks_reference, plan_copy
 from tandem.kvtransfer.staging import KVRows, gather_blocks, stack_layers
 
@@ -62,6 +63,54 @@ def test_triton_kernel_matches_reference_under_the_interpreter() -> None:
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA")
 def test_triton_kernel_matches_reference_on_cuda() -> None:
     compare_kernel_with_reference("cuda")
+
+
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA")
+def test_a_planned_copy_goes_through_triton_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After its first launch a planned copy launches the compiled kernel directly, and
+    that launch copies exactly what Triton's does."""
+    through = []
+    real = block_copy._Launch._through_triton
+    monkeypatch.setattr(block_copy._Launch, "_through_triton",
+                        lambda self: through.append(1) or real(self))
+    src = torch.randn(3, 8, 700, device="cuda")
+    ids = torch.tensor([5, 1, 6], device="cuda")
+    dst = torch.zeros(3, 3, 700, device="cuda")
+    copy = plan_copy(src, ids, dst, None, use_triton=True)
+    for step in range(4):
+        dst.zero_()
+        ids.copy_(torch.tensor([step, 7 - step, 4], device="cuda"))
+        copy()
+        assert torch.equal(dst, src[:, ids]), step
+    assert len(through) == 1
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_a_profilers_launch_hook_sends_launches_through_triton() -> None:
+    """No one listening (recent Triton keeps an empty chain of hooks): launch directly; a
+    hook set: through Triton, so the profiler hears of the launch."""
+    import triton
+
+    runtime = triton.knobs.runtime
+    assert not block_copy._hooked()
+    hook = runtime.launch_enter_hook
+
+    def listen(metadata: object) -> None:
+        pass
+
+    if hasattr(hook, "add"):
+        hook.add(listen)
+        try:
+            assert block_copy._hooked()
+        finally:
+            hook.remove(listen)
+    else:
+        runtime.launch_enter_hook = listen
+        try:
+            assert block_copy._hooked()
+        finally:
+            runtime.launch_enter_hook = hook
+    assert not block_copy._hooked()
 
 
 def test_reference_copies_exactly_the_named_blocks() -> None:
