@@ -9,7 +9,9 @@ of `src` goes to row r of `dst`:
 
 With a `guard` (tags, ticket), block i is written only if tags[dst_ids[i]] == ticket when
 it is copied: the check a process makes before writing into another process's cache,
-whose owner clears a block's tag before it reuses the block (`kvtransfer/ipc.py`).
+whose owner clears a block's tag before it reuses the block (`kvtransfer/ipc.py`). The
+ticket may be a tensor, ticket[i] for block i: the blocks of several sinks, each with its
+own ticket, in one copy.
 
 A block is E contiguous elements, so on CUDA this is a plain vectorized copy (Triton);
 torch's index_select/index_copy_ reach a fraction of the memory bandwidth on these
@@ -55,7 +57,8 @@ def _check(src: torch.Tensor, src_ids: torch.Tensor | None,
     return counts.pop()
 
 
-Guard = tuple[torch.Tensor, int]  # (int32 tags per destination block, ticket)
+# (int32 tags per destination block, the ticket: one, or a tensor of one per block copied)
+Guard = tuple[torch.Tensor, int | torch.Tensor]
 
 
 def copy_blocks_reference(src: torch.Tensor, src_ids: torch.Tensor | None,
@@ -69,8 +72,9 @@ def copy_blocks_reference(src: torch.Tensor, src_ids: torch.Tensor | None,
         n = dst.shape[1] if dst_ids is None else dst_ids.numel()
         s_ids = range(n) if src_ids is None else src_ids.tolist()
         d_ids = range(n) if dst_ids is None else dst_ids.tolist()
-        for s, d in zip(s_ids, d_ids):
-            if int(tags[d]) == ticket:
+        tickets = ticket.tolist() if isinstance(ticket, torch.Tensor) else [ticket] * n
+        for s, d, t in zip(s_ids, d_ids, tickets, strict=True):
+            if int(tags[d]) == t:
                 dst[:, d].copy_(src[:, s])
         return
     if src_ids is None:
@@ -109,6 +113,8 @@ def plan_copy(src: torch.Tensor, src_ids: torch.Tensor | None,
     starts with is planned before its data is due. The tensors must stay alive and in
     place (the ids' values and the tags may change)."""
     n = _check(src, src_ids, dst, dst_ids)
+    if guard is not None and isinstance(guard[1], torch.Tensor) and guard[1].numel() != n:
+        raise ValueError(f"{guard[1].numel()} tickets for {n} blocks")
     if src.dtype == torch.float8_e4m3fn:  # its bytes: the CPU has no index_copy_ for FP8
         src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     if use_triton is None:
@@ -122,13 +128,14 @@ def plan_copy(src: torch.Tensor, src_ids: torch.Tensor | None,
         return lambda: None
     tile = min(_TILE_BYTES // src.element_size(), triton.next_power_of_2(elems))
     tags, ticket = guard if guard is not None else (dst, 0)
+    per_block = isinstance(ticket, torch.Tensor)
     return _Launch(
         (n, rows, -(-elems // tile)),
         (src, dst,
          src_ids if src_ids is not None else src, dst_ids if dst_ids is not None else dst,
-         tags, ticket,
+         tags, ticket if per_block else tags, 0 if per_block else ticket,
          src.stride(0), src.stride(1), dst.stride(0), dst.stride(1), elems),
-        (tile, src_ids is not None, dst_ids is not None, guard is not None),
+        (tile, src_ids is not None, dst_ids is not None, guard is not None, per_block),
     )
 
 
@@ -147,10 +154,11 @@ def _key(args: tuple, constexprs: tuple) -> tuple:
     """Everything Triton's compiled code depends on, and more: the pointers' element types
     and 16-byte alignment, the strides and sizes themselves (fixed for a cache), the
     ticket's width (it is not specialized on otherwise)."""
-    src, _, src_ids, dst_ids, tags, ticket, *ints = args
-    return (constexprs, src.dtype, src_ids.dtype, tags.dtype,
+    src, _, src_ids, dst_ids, tags, tickets, ticket, *ints = args
+    return (constexprs, src.dtype, src_ids.dtype, tags.dtype, tickets.dtype,
             src.data_ptr() & 15, args[1].data_ptr() & 15, src_ids.data_ptr() & 15,
-            dst_ids.data_ptr() & 15, tags.data_ptr() & 15, ticket >= 2**31, *ints)
+            dst_ids.data_ptr() & 15, tags.data_ptr() & 15, tickets.data_ptr() & 15,
+            ticket >= 2**31, *ints)
 
 
 def _hooked() -> bool:
@@ -187,19 +195,19 @@ class _Launch:
                    None, None, None, *self.args, *self.constexprs)
 
     def _through_triton(self) -> Any:
-        tile, src_ids, dst_ids, guarded = self.constexprs
+        tile, src_ids, dst_ids, guarded, tickets = self.constexprs
         return _copy_blocks_kernel[self.grid](*self.args, TILE=tile, SRC_IDS=src_ids,
                                               DST_IDS=dst_ids, GUARD=guarded,
-                                              num_warps=_NUM_WARPS)
+                                              TICKETS=tickets, num_warps=_NUM_WARPS)
 
 
 if triton is not None:
 
     @triton.jit(do_not_specialize=["ticket"])  # one compiled kernel for every ticket
-    def _copy_blocks_kernel(src, dst, src_ids, dst_ids, tags, ticket,
+    def _copy_blocks_kernel(src, dst, src_ids, dst_ids, tags, tickets, ticket,
                             src_row, src_block, dst_row, dst_block, elems,
                             TILE: tl.constexpr, SRC_IDS: tl.constexpr, DST_IDS: tl.constexpr,
-                            GUARD: tl.constexpr):
+                            GUARD: tl.constexpr, TICKETS: tl.constexpr):
         # program (i, r, t): tile t of block i of row r. Offsets in int64: a cache is
         # often more than 2**31 elements.
         i = tl.program_id(0).to(tl.int64)
@@ -210,7 +218,8 @@ if triton is not None:
         offs = t * TILE + tl.arange(0, TILE)
         if GUARD:  # read now, not cached: the owner may have cleared it since the launch
             tag = tl.load(tags + d, volatile=True)
-            elems = tl.where(tag == ticket, elems, 0)
+            want = tl.load(tickets + i) if TICKETS else ticket
+            elems = tl.where(tag == want, elems, 0)
         mask = offs < elems
         x = tl.load(src + r * src_row + s * src_block + offs, mask=mask)
         tl.store(dst + r * dst_row + d * dst_block + offs, x, mask=mask)

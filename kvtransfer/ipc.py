@@ -143,16 +143,19 @@ class Target:
         return view
 
     def plan_write(self, src: torch.Tensor, ids: torch.Tensor, first: int,
-                   count: int) -> Callable[[], None]:
+                   count: int, tickets: torch.Tensor | None = None) -> Callable[[], None]:
         """Layers first .. first + count - 1 of blocks `ids[0]` of `src` (this side's cache
         as [2L, N, E]) into the sink's blocks `ids[1]`: the copy, checked and set up; each
-        call enqueues it on the current stream."""
+        call enqueues it on the current stream. `tickets`: one per block, for blocks of
+        several sinks of this cache (each its own target's ticket), in place of this
+        one's."""
         assert self.rows is not None and self.tags is not None
         src_rows, dst_rows = src, self.rows
         if count != src.shape[0] // 2:  # a run of layers: views of those rows
             rows = slice(2 * first, 2 * (first + count))
             src_rows, dst_rows = src[rows], self.rows[rows]
-        return plan_copy(src_rows, ids[0], dst_rows, ids[1], (self.tags, self.ticket))
+        return plan_copy(src_rows, ids[0], dst_rows, ids[1],
+                         (self.tags, self.ticket if tickets is None else tickets))
 
     def close(self) -> None:
         for desc in self.descs:

@@ -96,11 +96,13 @@ class KVPush:
         self._auth = auth.proof(secret, sink.request_id)
         device = self._rows.caches[0].device
         self._direct = getattr(connector, "direct", False)
-        # One copy to the device, not waiting for the compute queued on the stream. Direct:
-        # the sink's ids too, [source; sink], for the kernel that writes into it.
-        ids = (src_block_ids, sink.block_ids) if self._direct else (src_block_ids,)
-        self._ids = device_ids(*ids, device=device)
-        self._src = self._ids[0]
+        # On the device when first needed (`write_together` moves a gang's in one copy),
+        # not waiting for the compute queued on the stream. Direct: the sink's ids too,
+        # [source; sink], for the kernel that writes into it.
+        self._block_ids = ((src_block_ids, sink.block_ids) if self._direct
+                           else (src_block_ids,))
+        self._device = device
+        self._on_device: torch.Tensor | None = None
         if self._direct and self._rows.rows is None:
             raise ValueError(f"the {connector.name} connector reads the KV cache as one "
                              f"tensor; these layers are separate tensors")
@@ -211,6 +213,12 @@ class KVPush:
         them all into the sink now, and tell the receiver nothing yet: `send_written`
         tells it of this push and others to it in one message. Raises TransferError
         (LayoutMismatch) as `start` does, the push aborted."""
+        self._open_for_write()
+        self._write(0, self.layout.num_layers)
+        self._wrote()
+
+    def _open_for_write(self) -> None:
+        """`write`'s checks and the sink's target, mapped; an error aborts the push."""
         if not (self._direct and self._plan):
             raise ValueError("only a direct push with every layer computed writes alone")
         try:
@@ -220,7 +228,9 @@ class KVPush:
         except TransferError as exc:
             self.abort(str(exc))
             raise
-        self._write(0, self.layout.num_layers)
+
+    def _wrote(self) -> None:
+        """Every layer is written (enqueued): the push has nothing left to send."""
         self._handed, self._sent_messages = self.layout.num_layers, len(self._plan)
 
     def finish(self, first_token: int | None = None) -> None:
@@ -317,12 +327,19 @@ class KVPush:
         """`header` with the proof of the cluster secret, if this push has one."""
         return header if self._auth is None else {**header, "auth": self._auth}
 
+    @property
+    def _ids(self) -> torch.Tensor:
+        """The block ids on the push's device: [source] or, direct, [source; sink]."""
+        if self._on_device is None:
+            self._on_device = device_ids(*self._block_ids, device=self._device)
+        return self._on_device
+
     def _open_target(self) -> Target:
         if self.sink.target is None:
             raise TransferError(f"the sink at {self.sink.address} takes no {self._connector.name}"
                                 f" writes: its receiver's connector is not {self._connector.name}")
         return Target.open(self._connector.mapped, self.sink.target, self.layout,
-                           self.sink.block_ids, self._src.device)
+                           self.sink.block_ids, self._device)
 
     def _write(self, first: int, count: int) -> None:
         """Direct: layers first .. first + count - 1 into the sink, after the work enqueued
@@ -332,8 +349,11 @@ class KVPush:
         if write is None:
             write = self._target.plan_write(self._rows.rows, self._ids, first, count)
         write()
+        self._record_written()
+
+    def _record_written(self) -> None:
         if self._written is not None:
-            self._written.event.record(torch.cuda.current_stream(self._src.device))
+            self._written.event.record(torch.cuda.current_stream(self._device))
 
     def _buffer(self, slot: int) -> torch.Tensor:
         # [per_message, 2, n, bs, H, D]
@@ -357,7 +377,7 @@ class KVPush:
             return
         self._settle(self._slot)
         staged = self._buffer(self._slot)[:self._count]
-        self._rows.gather(self._first, self._src, staged)
+        self._rows.gather(self._first, self._ids[0], staged)
         header = self._layer_header(self._first, self._count)
         payload = staged[0] if self._count == 1 else staged
         self._count = 0
@@ -476,6 +496,56 @@ def _abort_error(frame: Frame) -> TransferError:
     if frame.header.get("error") == LAYOUT_MISMATCH:
         return LayoutMismatch(reason)
     return TransferError(f"aborted by receiver: {reason}")
+
+
+def write_together(pushes: Sequence[KVPush], after: Sequence[torch.cuda.Event] = ()
+                   ) -> list[BaseException | None]:
+    """`KVPush.write` for many pushes, each direct with every layer computed, in as few
+    copies as their sinks allow: those whose sinks lie in one mapped cache (one
+    receiver's) have their block ids moved to the device together, then one kernel
+    writes every one's blocks, each block checked against its own sink's ticket. The
+    copies are enqueued on the current stream after the events `after` (the layers'
+    compute), the ids' move before them. None for each push written, else why it
+    failed (that push aborted), as `write` raises."""
+    out: list[BaseException | None] = [None] * len(pushes)
+    caches: dict[tuple[int, int], list[int]] = {}  # pushes by the cache they write into
+    for i, push in enumerate(pushes):
+        try:
+            push._open_for_write()
+        except TransferError as exc:
+            out[i] = exc
+            continue
+        target = push._target
+        assert target is not None and target.rows is not None and target.tags is not None
+        caches.setdefault((target.rows.data_ptr(), target.tags.data_ptr()), []).append(i)
+    plans = []
+    for group in caches.values():
+        members = [pushes[i] for i in group]
+        head = members[0]
+        ids = device_ids([b for p in members for b in p._block_ids[0]],
+                         [b for p in members for b in p._block_ids[1]],
+                         [p._target.ticket for p in members for _ in p._block_ids[1]],
+                         device=head._device)
+        assert head._target is not None and head._rows.rows is not None
+        plans.append((group, head._target.plan_write(head._rows.rows, ids[:2], 0,
+                                                      head.layout.num_layers, ids[2])))
+    device = pushes[plans[0][0][0]]._device if plans else None
+    if device is not None and device.type == "cuda":
+        stream = torch.cuda.current_stream(device)
+        for event in after:  # the ids' moves are enqueued: they need not wait
+            stream.wait_event(event)
+    for group, write in plans:
+        try:
+            write()
+        except BaseException as exc:  # noqa: BLE001 - every push of that copy failed
+            for i in group:
+                pushes[i].abort(f"{type(exc).__name__}: {exc}")
+                out[i] = exc
+            continue
+        for i in group:
+            pushes[i]._record_written()
+            pushes[i]._wrote()
+    return out
 
 
 def send_written(pushes: Sequence[KVPush], first_tokens: Sequence[int]

@@ -9,11 +9,13 @@ the layers as they come and ends it with the first token. Its end, an error or N
 goes to `on_end` once every read of the prompt's blocks is done.
 
 The pushes of whole prompts (ipc: one write once the last layer is computed) that one step
-completes run on one thread per receiver (`Gang`): it opens and writes each in turn, then,
-their first tokens sampled, tells the receiver of them all in one `written` message and
-waits for its replies (`sender.send_written`). One thread does the host work that a
-thread each did at more CPU a push, every thread contending for the GIL with the engine's,
-and one frame out and one back do what three out and two back per push did
+completes run on one thread per receiver (`Gang`): it opens each, writes them all in one
+copy (`sender.write_together`: their block ids moved to the device at once, one kernel
+for every sink's blocks), then, their first tokens sampled, tells the receiver of them all
+in one `written` message and waits for its replies (`sender.send_written`). One thread
+does the host work that a thread each did at more CPU a push, every thread contending for
+the GIL with the engine's, and one frame out and one back do what three out and two back
+per push did
 (`benchmarks/push_cpu.py`: 256 pushes, 16 a step, on an H200's host, 1.17 ms of CPU a push
 against 2.02 with a frame per push's begin, layer and end, and 2.09 with a thread each).
 """
@@ -36,7 +38,7 @@ from tandem.engine import trace
 from tandem.engine.llm_engine import bind_thread
 from tandem.kvtransfer.agent import SinkInfo
 from tandem.kvtransfer.connector import TransferError
-from tandem.kvtransfer.sender import KVPush, send_written
+from tandem.kvtransfer.sender import KVPush, send_written, write_together
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +137,9 @@ def _stream(device: torch.device) -> torch.cuda.Stream | None:
 
 class Gang:
     """The whole pushes one step hands over, run on one of `threads` per receiver in
-    two passes: each is opened and written (in the order handed over), then, with their
-    first tokens, the receiver is told of them all in one message and each waits for its
-    reply (`send_written`). The engine thread
+    two passes: each is opened, then all are written in one copy (`write_together`), then,
+    with their first tokens, the receiver is told of them all in one message and each
+    waits for its reply (`send_written`). The engine thread
     queues them (`add`) as it hands their last layer over and lets them go once it has
     handed over every one (`flush`, the engine's `prefill_handed`). One whose target is
     not known yet (an early start waiting for its sink) runs on a thread of its own, as
@@ -187,17 +189,28 @@ class Gang:
         bind_thread(device)
         stream = _stream(device)
         errors: dict[Transfer, BaseException] = {}
-        written: list[tuple[Transfer, KVPush]] = []
+        opened: list[tuple[Transfer, KVPush]] = []
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 try:
+                    events = []
                     for transfer in ready:
                         try:
                             target = transfer._result(transfer._target, "sink did not come "
                                                       "within its hold")
-                            written.append((transfer, transfer._written(target)))
+                            push, event = transfer._opened_whole(target)
+                            opened.append((transfer, push))
+                            events += [event] if event is not None else []
                         except BaseException as exc:  # noqa: BLE001 - that push's end
                             errors[transfer] = exc
+                    written = []  # in one copy per receiver's cache, after the compute
+                    ends = write_together([push for _, push in opened], events)
+                    for (transfer, push), error in zip(opened, ends, strict=True):
+                        if error is None:
+                            trace.mark(push.sink.request_id, "push.started")
+                            written.append((transfer, push))
+                        else:
+                            errors[transfer] = error
                     told, tokens = [], []
                     for transfer, push in written:  # the first tokens come from one step
                         try:
@@ -216,7 +229,7 @@ class Gang:
                             else:
                                 errors[transfer] = error
                 finally:
-                    for _, push in written:
+                    for _, push in opened:
                         push.close()
                     if stream is not None:  # the writes have read the blocks
                         stream.synchronize()
@@ -352,17 +365,15 @@ class Transfer:
         self._send_end(push)
         self._finished(push)
 
-    def _written(self, target: Target) -> KVPush:
-        """A gang's push: opened and written, the receiver not yet told; an error aborts
-        it."""
+    def _opened_whole(self, target: Target) -> tuple[KVPush, torch.cuda.Event | None]:
+        """A gang's push, opened, and the event after its compute (the last layer's: every
+        other's came before it) that its write waits for; an error aborts it."""
         push = self._open_push(target)
         with contextlib.ExitStack() as on_error:
             on_error.push(push)
-            self._next_layer()  # the last layer's: every other's compute came before it
-            push.write()
-            trace.mark(push.sink.request_id, "push.started")
+            _, event = self._take_layer()
             on_error.pop_all()
-        return push
+        return push, event
 
     def _opened(self, target: Target) -> KVPush:
         """The push opened and every layer sent; an error aborts it."""
@@ -401,6 +412,14 @@ class Transfer:
     def _next_layer(self) -> int:
         """The next computed layer, its compute ordered before the work this thread
         enqueues next; raises a cancellation, or at the deadline."""
+        layer, event = self._take_layer()
+        if event is not None:
+            torch.cuda.current_stream(self._device).wait_event(event)
+        return layer
+
+    def _take_layer(self) -> tuple[int, torch.cuda.Event | None]:
+        """The next computed layer and, on CUDA, the event after its compute; raises a
+        cancellation, or at the deadline."""
         try:
             item = self._items.get(timeout=self._left())
         except queue.Empty:
@@ -408,10 +427,7 @@ class Transfer:
                                 "expired") from None
         if isinstance(item, BaseException):
             raise item
-        layer, event = item
-        if event is not None:
-            torch.cuda.current_stream(self._device).wait_event(event)
-        return layer
+        return item
 
 
 def transfer_error(error: BaseException) -> BaseException:

@@ -41,6 +41,16 @@ def compare_kernel_with_reference(device: str) -> None:
             assert torch.equal(d, ref), (dtype, elems, "guarded", ticket)
             assert torch.equal(ref[:, other[written]], src[:, ids[written]])
             assert not ref.index_fill_(1, other[written], 0).any()
+        # A ticket per block (the sinks of several requests in one copy): block i is
+        # written where its own ticket is its destination's tag.
+        tickets = torch.tensor([7, 8, 5, 8, 7], dtype=torch.int32, device=device)
+        ref, d = torch.zeros_like(src), torch.zeros_like(src)
+        copy_blocks_reference(src, ids, ref, other, (tags, tickets))
+        copy_blocks(src, ids, d, other, (tags, tickets), use_triton=True)
+        assert torch.equal(d, ref), (dtype, elems, "tickets")
+        written = [0, 1, 4]  # tags[other]: 7, 8, 7, 0, 7
+        assert torch.equal(ref[:, other[written]], src[:, ids[written]])
+        assert not ref.index_fill_(1, other[written], 0).any()
         # Planned once, launched twice: the tags are read at each launch.
         d = torch.zeros_like(src)
         copy = plan_copy(src, ids, d, other, (tags, 7), use_triton=True)
@@ -141,6 +151,9 @@ def test_copy_rejects_views_it_cannot_take() -> None:
         copy_blocks(a, torch.tensor([0, 1]), torch.zeros(2, 3, 8), None)
     with pytest.raises(ValueError, match="contiguous"):
         copy_blocks(a, None, torch.zeros(2, 8, 4).transpose(1, 2), None)
+    tags = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="3 tickets for 4 blocks"):
+        copy_blocks(a, None, torch.zeros(2, 4, 8), None, (tags, torch.ones(3, dtype=torch.int32)))
 
 
 def test_stack_layers_views_one_tensor_only() -> None:

@@ -28,9 +28,9 @@ from kv_helpers import (
 
 from tandem.kvtransfer.agent import SinkInfo, State, TransferAgent
 from tandem.kvtransfer.connector import Frame, TransferError
-from tandem.kvtransfer.ipc import IpcConnector
+from tandem.kvtransfer.ipc import IpcConnector, Target
 from tandem.kvtransfer.layout import KVLayout
-from tandem.kvtransfer.sender import KVPush, push, send_written
+from tandem.kvtransfer.sender import KVPush, push, send_written, write_together
 from tandem.kvtransfer.tcp import TcpConnector
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -332,6 +332,49 @@ def test_whole_pushes_told_together_are_answered_each_alone() -> None:
     _written_together("cpu")
 
 
+def _written_in_one_copy(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`write_together`: the pushes into one receiver's cache are written by one copy,
+    each block against its own sink's ticket. A sink aborted before the copy keeps its
+    blocks as they were (its tags are cleared); a push whose sink can't be written
+    fails alone; the others land exact once told of (`send_written`)."""
+    src, dst = make_caches(16, seed=1, device=device), make_caches(16, seed=2, device=device)
+    layout, connector, blocks = KVLayout.of(dst, MODEL), IpcConnector(), PoolBlocks(16)
+    agent = TransferAgent(dst, layout, connector, blocks.free)
+    planned = []
+    plan_write = Target.plan_write
+    monkeypatch.setattr(Target, "plan_write",
+                        lambda self, *a: planned.append(a) or plan_write(self, *a))
+    try:
+        sinks = {rid: agent.reserve(rid, blocks.allocate(n), ttl_s=30)
+                 for rid, n in (("a", 2), ("gone", 3), ("bad", 1), ("b", 1))}
+        sinks["bad"] = dataclasses.replace(sinks["bad"], block_ids=[99])
+        sources = {"a": [0, 1], "gone": [2, 3, 4], "bad": [5], "b": [9]}
+        before = clone(dst)
+        assert agent.abort("gone")
+        pushes = [KVPush(connector, sinks[rid], src, sources[rid], layout, all_computed=True)
+                  for rid in sinks]
+        ends = dict(zip(sinks, write_together(pushes), strict=True))
+        assert isinstance(ends.pop("bad"), TransferError)
+        assert ends == {"a": None, "gone": None, "b": None}
+        assert len(planned) == 1 and planned[0][1].shape == (2, 6)  # a's, gone's, b's
+        told = [p for p in pushes if p.sink.request_id != "bad"]
+        replies = dict(zip(["a", "gone", "b"], send_written(told, [1, 2, 3]), strict=True))
+        assert replies["a"] is None and replies["b"] is None, replies
+        assert "no open reservation" in str(replies["gone"])
+        for rid in ("a", "b"):
+            assert agent.status(rid).state is State.READY
+            assert_blocks_equal(dst, list(sinks[rid].block_ids), src, sources[rid])
+        assert_unchanged_except(before, dst, [*sinks["a"].block_ids, *sinks["b"].block_ids])
+    finally:
+        agent.close()
+        connector.close()
+
+
+def test_whole_pushes_into_one_cache_are_written_by_one_copy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _written_in_one_copy("cpu", monkeypatch)
+
+
 def test_a_receiver_without_ipc_refuses_an_ipc_sender() -> None:
     src, dst = make_caches(16, seed=1), make_caches(16, seed=2)
     layout = KVLayout.of(dst, MODEL)
@@ -399,6 +442,12 @@ def test_sinks_reserved_together_take_their_own_pushes_on_cuda() -> None:
 @needs_cuda
 def test_whole_pushes_told_together_are_answered_each_alone_on_cuda() -> None:
     _written_together("cuda")
+
+
+@needs_cuda
+def test_whole_pushes_into_one_cache_are_written_by_one_copy_on_cuda(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _written_in_one_copy("cuda", monkeypatch)
 
 
 @needs_cuda
