@@ -46,6 +46,19 @@ def burst(path: Path, since: float = 0.0, until: float = float("inf")) -> dict[s
             "lag_to_router_s": [lag for _, lag in lags]}
 
 
+def gc_pauses(marks: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
+    """Each traced process's collections of the older generations: (pid, start, seconds)."""
+    began: dict[int, float] = {}
+    out = []
+    for m in sorted((m for m in marks if m["rid"] == "gc"), key=lambda m: m["t"]):
+        if m["at"] == "gc.start":
+            began[m["pid"]] = m["t"]
+        elif m["pid"] in began:
+            start = began.pop(m["pid"])
+            out.append((m["pid"], start, m["t"] - start))
+    return out
+
+
 EAGER_S = 0.005  # a step longer than this is counted as eager (small shapes)
 
 
@@ -73,6 +86,9 @@ def timeline(marks: list[dict[str, Any]]) -> dict[str, float]:
             row[f"last_{point}"] = max(at[point]) - start
     if at["bench.end"]:
         row["end"] = at["bench.end"][-1] - start
+    pauses = gc_pauses(marks)
+    row["gc_pauses"] = len(pauses)
+    row["gc_longest_ms"] = 1000 * max((d for _, _, d in pauses), default=0.0)
     return row
 
 

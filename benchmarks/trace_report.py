@@ -31,7 +31,7 @@ def load(path: Path) -> tuple[dict[str, list[dict]], dict[int, list[tuple[float,
             continue  # a line cut short by a killed process
         if mark["rid"] == "step":
             steps[mark["pid"]].append((mark["t"], mark["at"]))
-        else:
+        elif mark["rid"] != "gc":  # a process's collections (burst_trace.py reports them)
             by_rid[mark["rid"]].append(mark)
     for marks in by_rid.values():
         marks.sort(key=lambda m: m["t"])

@@ -9,11 +9,13 @@ Every process that has it appends one JSON line per mark to that file,
 with O_APPEND, so lines from the router and every node interleave whole, and on one host
 their times compare (one clock). `benchmarks/ttft_trace.py` turns them into the median
 time between consecutive points. A mark costs one write(2): for tracing runs, not for
-serving under load.
+serving under load. A traced process also marks its garbage collector's collections of
+the older generations (`gc.start`, `gc.stop`; request id "gc").
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -30,8 +32,17 @@ def mark(request_id: str, point: str, n: int | None = None) -> None:
     global _fd, _pid
     if _fd is None or _pid != os.getpid():  # opened once per process (after a fork too)
         _fd, _pid = os.open(PATH, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), os.getpid()
+        if _on_gc not in gc.callbacks:
+            gc.callbacks.append(_on_gc)
     fields = {"t": time.time(), "pid": _pid, "rid": request_id, "at": point}
     if n is not None:
         fields["n"] = n
     line = json.dumps(fields)
     os.write(_fd, line.encode() + b"\n")
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    """The older generations' collections, each a pause of its whole process: `gc.start`
+    and `gc.stop` marks, `n` the generation."""
+    if info["generation"] >= 1:
+        mark("gc", f"gc.{phase}", info["generation"])

@@ -45,6 +45,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from tandem.engine import trace
 from tandem.node import auth
 from tandem.protos import node_pb2 as pb
 
@@ -136,6 +137,9 @@ class Submitter:
             batches[-1].cancel.extend(cancels)  # the node takes a batch's requests first
             for batch in batches:
                 await call.write(batch)
+                if trace.PATH is not None:
+                    for msg in (*batch.requests, *batch.prefills):
+                        trace.mark(msg.request.request_id, "submit.written")
         reader.result()  # its error, if it failed
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
@@ -237,6 +241,9 @@ async def _take(batches: AsyncIterator[bytes], generate: Generate, prefill: Pref
     try:
         async for raw in batches:
             batch = pb.SubmitBatch.FromString(raw)
+            if trace.PATH is not None:
+                for msg in (*batch.requests, *batch.prefills):
+                    trace.mark(msg.request.request_id, "submit.taken")
             calls = [*((msg, generate) for msg in batch.requests),
                      *((msg, prefill) for msg in batch.prefills)]
             for msg, serve in calls:

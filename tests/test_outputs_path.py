@@ -102,12 +102,18 @@ def test_router_merges_consecutive_chunks_keeping_the_head_and_the_end() -> None
 
 def test_trace_marks_go_to_the_named_file_from_every_process(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
-    code = ("import sys; from tandem.engine import trace; rid = sys.argv[1]; "
-            "trace.mark(rid, 'router.request'); trace.mark(rid, 'decode.generate')")
+    code = ("import gc, sys; from tandem.engine import trace; rid = sys.argv[1]; "
+            "trace.mark(rid, 'router.request'); gc.collect(); "
+            "trace.mark(rid, 'decode.generate')")
     env = {**os.environ, "TANDEM_TRACE": str(path)}
     for rid in ("r1", "r2"):  # two processes append to one file
         subprocess.run([sys.executable, "-c", code, rid], env=env, check=True, timeout=60)
-    marks = [json.loads(line) for line in path.read_text().splitlines()]
+    every = [json.loads(line) for line in path.read_text().splitlines()]
+    # Each process's full collection, between its two marks, is marked too.
+    collections = [(m["at"], m["n"]) for m in every if m["rid"] == "gc"]
+    assert collections[:2] == [("gc.start", 2), ("gc.stop", 2)], collections
+    assert every[1]["rid"] == "gc" and every[2]["rid"] == "gc"
+    marks = [m for m in every if m["rid"] != "gc"]
     assert [m["at"] for m in marks] == ["router.request", "decode.generate"] * 2
     assert len({m["pid"] for m in marks}) == 2
     assert [m["rid"] for m in marks] == ["r1", "r1", "r2", "r2"]
