@@ -63,8 +63,9 @@ def parse_args() -> argparse.Namespace:
                    help="a served configuration: its name and its `tandem up` flags, one "
                    "string; repeat for more (default: colocated=\"--colocated 1\" and "
                    "1p1d_ipc=\"--connector ipc\")")
-    p.add_argument("--py-spy", type=Path, default=None, help="record each node's engine "
-                   "process with `py-spy record` over each burst, into DIR/<config>_"
+    p.add_argument("--py-spy", type=Path, default=None, help="record the router, each "
+                   "node's engine process and its front with `py-spy record` over each "
+                   "burst, into DIR/<config>_"
                    "<burst>_<process>.txt (raw, collapsed stacks; default: none)")
     p.add_argument("--py-spy-flags", default="--gil", help="py-spy record's sampling "
                    "flags, one string (default: %(default)s: the thread holding the GIL; "
@@ -121,13 +122,15 @@ def _client_cpu() -> float:
 
 
 def _spy(up: int, out: Path | None, prefix: str, flags: str) -> list[subprocess.Popen]:
-    """py-spy recorders of each node's engine process under `up` (none without `out`)."""
+    """py-spy recorders of each process under `up` (none without `out`): the router, each
+    node's engine process and its gRPC front."""
     if out is None:
         return []
     spies = []
     for name in tree_cpu(up):
-        if name.startswith("node_"):
+        if name.startswith(("node_", "front", "router")):
             role, pid = name.split(":")
+            role = role if role != "front" else f"front{pid}"
             # py-spy's native stacks need the process paused for each sample
             pause = [] if "--native" in flags.split() else ["--nonblocking"]
             spies.append(subprocess.Popen(
