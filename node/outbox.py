@@ -205,6 +205,15 @@ class Columns:
                 cached_tokens=out.num_cached_tokens))
             self.done.append(chunks)
 
+    def extend(self, other: Columns) -> None:
+        """`other`'s entries after these (none of its requests among these)."""
+        for mine, theirs in ((self.request_ids, other.request_ids),
+                             (self.num_tokens, other.num_tokens),
+                             (self.token_ids, other.token_ids), (self.texts, other.texts),
+                             (self.heads, other.heads), (self.ends, other.ends),
+                             (self.done, other.done)):
+            mine += theirs
+
     def message(self) -> pb.OutputColumns:
         return pb.OutputColumns(request_ids=self.request_ids, num_tokens=self.num_tokens,
                                 token_ids=self.token_ids, texts=self.texts, heads=self.heads,
@@ -224,7 +233,11 @@ class ColumnOutbox(_Stream):
                  send: Callable[[str, bytes], None], interval_s: float = 0.0) -> None:
         super().__init__(subscriber)
         self._bridge, self._send = bridge, send
-        self._columns = Columns()  # the engine thread's
+        # The engine thread's: requests' first chunks, sent at once, and the rest, held
+        # for the interval. A first token does not take the others' with it: where
+        # requests start one after another (1P1D, each as its push lands), nearly every
+        # step has one, and the interval would hold nothing back.
+        self._firsts, self._columns = Columns(), Columns()
         self.interval_s = interval_s
         self._sent_at = float("-inf")  # time.monotonic() of the last send
 
@@ -246,8 +259,10 @@ class ColumnOutbox(_Stream):
         for listener, out in items:
             chunks = listener.chunks
             sent = chunks.sent
-            if (out.num_tokens != sent + 1 or out.finish_reason is not None
-                    or chunks.head is not None):
+            if chunks.head is not None:
+                self._firsts.add(chunks, out)
+                continue
+            if out.num_tokens != sent + 1 or out.finish_reason is not None:
                 columns.add(chunks, out)
                 continue
             ids.append(chunks.request_id)
@@ -258,16 +273,27 @@ class ColumnOutbox(_Stream):
 
     def flush(self, idle: bool = True) -> None:
         """On the engine thread, after a step: send what the steps since the last send
-        gathered; then their finished requests' Generate calls may end. Held while less
-        than `interval_s` has passed since that send, unless a request's first chunk is
-        among them or the engine is `idle`."""
-        columns = self._columns
-        if not columns.request_ids:
+        gathered; then their finished requests' Generate calls may end. Requests' first
+        chunks go at once; the rest are held while less than `interval_s` has passed
+        since they were last sent, unless the engine is `idle`."""
+        firsts, columns = self._firsts, self._columns
+        if not (firsts.request_ids or columns.request_ids):
             return
         now = time.monotonic()
-        if not idle and not columns.heads and now - self._sent_at < self.interval_s:
-            return
-        self._columns, self._sent_at = Columns(), now
+        due = idle or now - self._sent_at >= self.interval_s
+        if firsts.request_ids:
+            self._firsts = Columns()
+            if not columns.request_ids:  # the new requests' next tokens wait an interval
+                self._sent_at = now
+            elif due:  # one message
+                firsts.extend(columns)
+                self._columns, self._sent_at = Columns(), now
+            self._ship(firsts)
+        elif due:
+            self._columns, self._sent_at = Columns(), now
+            self._ship(columns)
+
+    def _ship(self, columns: Columns) -> None:
         self._send(self.subscriber, columns.message().SerializeToString())
         for chunks in columns.done:
             self._bridge.post(chunks.done.set)

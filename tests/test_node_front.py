@@ -173,6 +173,36 @@ def test_a_column_outbox_with_an_interval_holds_steps_but_not_first_tokens() -> 
         pb.GenerateChunk(request_id="a", token_ids=[6, 7], text="ey")]
 
 
+def test_a_first_token_goes_at_once_without_the_other_requests_tokens() -> None:
+    """Requests that start one after another (1P1D: each as its push lands): a request's
+    first chunk goes at the end of its step, the running requests' tokens of that step
+    stay held for the interval."""
+    aio = new_event_loop()
+    thread = threading.Thread(target=aio.run_forever, daemon=True)
+    thread.start()
+    sent: list[pb.OutputColumns] = []
+    outbox = ColumnOutbox("r1", Bridge(aio), lambda _, m: sent.append(
+        pb.OutputColumns.FromString(m)), interval_s=60.0)
+    on_a = outbox.listener(Chunks("a", pb.GenerateChunk(queued_s=0.5)))
+    on_b = outbox.listener(Chunks("b", pb.GenerateChunk(queued_s=0.25)))
+    outbox.take([(on_a, _out("a", [5], "h"))])
+    outbox.flush(idle=True)
+    outbox.take([(on_a, _out("a", [5, 6], "e")), (on_b, _out("b", [8], "x"))])
+    outbox.flush(idle=False)  # b's first token goes; a's token waits
+    outbox.take([(on_a, _out("a", [5, 6, 7], "y")), (on_b, _out("b", [8, 9], "z"))])
+    outbox.flush(idle=False)
+    assert len(sent) == 2
+    outbox.flush(idle=True)
+    aio.call_soon_threadsafe(aio.stop)
+    thread.join(5)
+    assert [[h.request_id for h in m.heads] for m in sent] == [["a"], ["b"], []]
+    assert list(merge_columns([sent[1]]).chunks) == [
+        pb.GenerateChunk(request_id="b", token_ids=[8], text="x", queued_s=0.25)]
+    assert list(merge_columns([sent[2]]).chunks) == [
+        pb.GenerateChunk(request_id="a", token_ids=[6, 7], text="ey"),
+        pb.GenerateChunk(request_id="b", token_ids=[9], text="z")]
+
+
 def test_a_stream_interval_sends_fewer_chunks_with_the_same_tokens() -> None:
     """`tandem up --stream-interval-ms`: a streamed completion's tokens come in a few
     chunks (the first at once), and they are the unstreamed completion's."""
