@@ -61,7 +61,10 @@ sink is ready, so the decode side need not wait for the prefill node's own reply
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import heapq
+import itertools
 import logging
 import threading
 import time
@@ -190,6 +193,13 @@ class TransferAgent:
         self._secret, self._advertise_host = secret, advertise_host
         self._sinks: dict[str, _Sink] = {}
         self._owned: set[int] = set()  # block ids of live and ready sinks
+        # For the reaper, under _lock: every sink by its deadline, the ended ones (the
+        # tombstones status() reads) in the order they ended; each tick looks only at
+        # those due. A scan of every sink every tick held the GIL against the engine
+        # thread for as long as the sinks of the last `keep_s` took to walk.
+        self._deadlines: list[tuple[float, int, _Sink]] = []
+        self._ended: collections.deque[_Sink] = collections.deque()
+        self._made = itertools.count()
         self._buffers = StagingPool()
         # CUDA: scatters run here, off the receiving and the engine's streams; sinks'
         # block ids are copied to the device on the second.
@@ -285,6 +295,7 @@ class TransferAgent:
         self._owned.update(ids)
         deadline = time.monotonic() + ttl_s
         sink = self._sinks[request_id] = _Sink(request_id, ids, index, ttl_s, deadline)
+        heapq.heappush(self._deadlines, (deadline, next(self._made), sink))
         return sink
 
     def _indices(self, id_lists: list[tuple[int, ...]]) -> list[torch.Tensor]:
@@ -330,6 +341,7 @@ class TransferAgent:
             if sink is None or sink.state is not State.READY:
                 raise TransferError(f"request {request_id!r} is not ready: {_describe(sink)}")
             sink.state, sink.ended_at = State.RELEASED, time.monotonic()
+            self._ended.append(sink)
             self._owned.difference_update(sink.block_ids)
         if sink.direct:  # the sender is done: the blocks are closed to writes as they go
             assert self._guard is not None  # (queued before any later sink's open)
@@ -607,6 +619,7 @@ class TransferAgent:
                 # it is released
                 writable = self._guard is not None and sink.state in (*_LIVE, State.READY)
                 sink.state, sink.reason, sink.ended_at = State.FAILED, reason, time.monotonic()
+                self._ended.append(sink)
                 peer = peer or sink.peer
         if writable:  # ipc: a sender may be writing, or about to: close the blocks first
             assert self._guard is not None
@@ -639,13 +652,17 @@ class TransferAgent:
     def _reap_loop(self) -> None:
         while not self._stop.wait(self._reap_interval_s):
             now = time.monotonic()
+            expired = []
             with self._lock:
-                held = [s for s in self._sinks.values() if s.state in (*_LIVE, State.READY)]
-                expired = [s for s in held if s.deadline <= now]
+                while self._deadlines and self._deadlines[0][0] <= now:
+                    sink = heapq.heappop(self._deadlines)[2]
+                    if sink.state in (*_LIVE, State.READY):
+                        expired.append(sink)
                 # ended_at is set only on FAILED and RELEASED: tombstones kept for status().
-                for rid in [rid for rid, s in self._sinks.items()
-                            if s.ended_at is not None and now - s.ended_at > self._keep_s]:
-                    del self._sinks[rid]
+                while self._ended and now - self._ended[0].ended_at > self._keep_s:
+                    sink = self._ended.popleft()
+                    if self._sinks.get(sink.request_id) is sink:  # not since reserved again
+                        del self._sinks[sink.request_id]
             for sink in expired:
                 self._fail(sink, f"reservation expired after {sink.ttl_s:g}s",
                            (*_LIVE, State.READY), notify=True)

@@ -159,6 +159,43 @@ def test_unused_reservation_expires_and_is_freed(dest: Dest) -> None:
     assert dest.blocks.frees == [ids]
 
 
+def test_ended_reservations_are_forgotten_after_keep_s_and_no_sooner() -> None:
+    """The reaper drops a sink's tombstone (what `status` reads after its end) once
+    `keep_s` has passed since it ended, and only that sink's: a request id reserved again
+    since keeps its new reservation; one that expires meanwhile is failed."""
+    caches, blocks = make_caches(NUM_BLOCKS, seed=2), PoolBlocks(NUM_BLOCKS)
+    connector = get_connector("tcp", io_timeout=5.0)
+    agent = TransferAgent(caches, KVLayout.of(caches, MODEL), connector, blocks.free,
+                          reap_interval_s=0.02, keep_s=1.0)
+    try:
+        agent.reserve("gone", blocks.allocate(1), ttl_s=30)
+        agent.reserve("again", blocks.allocate(1), ttl_s=30)
+        assert agent.abort("gone") and agent.abort("again")
+        ended = time.monotonic()
+        agent.reserve("again", blocks.allocate(1), ttl_s=30)
+        agent.reserve("short", blocks.allocate(1), ttl_s=0.1)
+        assert agent.status("gone").state is State.FAILED
+        assert wait_until(lambda: agent.status("short").state is State.FAILED, 5)
+        assert time.monotonic() - ended < 1.0
+        assert agent.status("gone").state is State.FAILED  # kept still
+        assert wait_until(lambda: not _known(agent, "gone"), 5)
+        assert time.monotonic() - ended >= 1.0
+        assert agent.status("again").state is State.RESERVED
+        assert wait_until(lambda: not _known(agent, "short"), 5)
+        assert agent.status("again").state is State.RESERVED
+    finally:
+        agent.close()
+        connector.close()
+
+
+def _known(agent: TransferAgent, rid: str) -> bool:
+    try:
+        agent.status(rid)
+    except KeyError:
+        return False
+    return True
+
+
 def test_stalled_sender_is_stopped_by_the_ttl(dest: Dest) -> None:
     ids = dest.blocks.allocate(2)
     sink = dest.agent.reserve("r", ids, ttl_s=0.5)
