@@ -54,7 +54,11 @@ class _PinnedSlots:
     prefill node's push threads spent most of their time in it."""
 
     SLOTS = 32
-    IDS = 1024  # a push's source and sink ids, up to 512 blocks each; a longer one is pinned
+    IDS = 1024  # ids a slot holds at first: a push's source and sink ids, 512 blocks each
+    # The most a slot grows to (8 B each): a step's pushes moved together
+    # (`sender.write_together`) are source, sink and ticket of every block of the step's
+    # prompts. A longer list is pinned on its own.
+    MAX_IDS = 1 << 16
 
     def __init__(self) -> None:
         self._host = torch.empty((self.SLOTS, self.IDS), dtype=torch.long, pin_memory=True)
@@ -62,8 +66,10 @@ class _PinnedSlots:
         self._next = 0
 
     def to(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        if host.numel() > self.IDS:
-            return host.pin_memory().to(device, non_blocking=True)
+        if host.numel() > self._host.shape[1]:
+            if host.numel() > self.MAX_IDS:
+                return host.pin_memory().to(device, non_blocking=True)
+            self._grow(host.numel())
         i, self._next = self._next, (self._next + 1) % self.SLOTS
         copied = self._copied[i]
         if copied is None:
@@ -75,6 +81,16 @@ class _PinnedSlots:
         out = slot.view(host.shape).to(device, non_blocking=True)
         copied.record(torch.cuda.current_stream(device))
         return out
+
+    def _grow(self, ids: int) -> None:
+        """Slots of the next power of two that holds `ids`, once every copy out of the
+        old ones is done."""
+        for copied in self._copied:
+            if copied is not None:
+                copied.synchronize()
+        width = 1 << (ids - 1).bit_length()
+        self._host = torch.empty((self.SLOTS, width), dtype=torch.long, pin_memory=True)
+        self._next = 0
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -99,13 +99,17 @@ def test_scatter_rejects_a_staged_buffer_that_does_not_fit() -> None:
 def test_block_ids_reach_the_device_exact_through_reused_pinned_slots() -> None:
     """`device_ids` on CUDA copies from a thread's few pinned slots, each written again
     only once its last copy is done: with the stream held up by a long kernel, more
-    lists than there are slots (a longer one than a slot takes too) each land exact."""
+    lists than there are slots each land exact, and so do those after a longer one grew
+    the slots, and one longer than they grow to."""
     device = torch.device("cuda")
     big = torch.randn(4096, 4096, device=device)
     for _ in range(20):  # the copies queue behind these
         big = big @ big / 64
     lists = [([i, i + 1, 3 * i], [7 * i, i, 0]) for i in range(3 * _PinnedSlots.SLOTS)]
     lists.append((list(range(_PinnedSlots.IDS)), list(range(_PinnedSlots.IDS, 0, -1))))
+    lists += lists[:2 * _PinnedSlots.SLOTS]  # in the grown slots
+    most = _PinnedSlots.MAX_IDS // 2 + 1  # past the most a slot grows to: pinned alone
+    lists.append((list(range(most)), list(range(most, 0, -1))))
     out = [device_ids(*ids, device=device) for ids in lists]
     for ids, got in zip(lists, out, strict=True):
         assert got.device.type == "cuda" and got.tolist() == [list(ids[0]), list(ids[1])]
