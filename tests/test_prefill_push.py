@@ -226,13 +226,16 @@ def _ipc_pair(connector: IpcConnector) -> Iterator[tuple[Prefill, Decode]]:
 @contextlib.contextmanager
 def _one_step(p: Prefill, prompts: int) -> Iterator[None]:
     """The loop held while the block hands over `prompts` prefills, then let go: the
-    step after completes them all."""
+    step after completes them all. It lets go once every prompt's add is queued on the
+    loop, not only registered with the role (a prefill registers, then queues its add:
+    one queued late would run in a step of its own)."""
     held, release = threading.Event(), threading.Event()
     p.loop.submit(lambda engine: (held.set(), release.wait(10)))
     assert held.wait(10)
     try:
         yield
         assert wait_until(lambda: len(p.role.request_ids()) == prompts)
+        assert wait_until(lambda: p.loop._calls.qsize() >= prompts)
     finally:
         release.set()
 
