@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from asyncio import AbstractEventLoop
 from pathlib import Path
 
 import grpc
@@ -150,13 +151,20 @@ def test_an_engine_loop_hands_a_steps_outputs_to_a_column_outbox_at_once() -> No
     assert sorted(heads) == ["r0", "r1", "r2", "r4"]  # once each
 
 
-def test_a_column_outbox_with_an_interval_holds_steps_but_not_first_tokens() -> None:
+def _interval_outbox() -> tuple[AbstractEventLoop, threading.Thread, list[pb.OutputColumns],
+                                ColumnOutbox]:
+    """A column outbox with a 60 s interval on a running loop, noting what it sends."""
     aio = new_event_loop()
     thread = threading.Thread(target=aio.run_forever, daemon=True)
     thread.start()
     sent: list[pb.OutputColumns] = []
     outbox = ColumnOutbox("r1", Bridge(aio), lambda _, m: sent.append(
         pb.OutputColumns.FromString(m)), interval_s=60.0)
+    return aio, thread, sent, outbox
+
+
+def test_a_column_outbox_with_an_interval_holds_steps_but_not_first_tokens() -> None:
+    aio, thread, sent, outbox = _interval_outbox()
     on_a = outbox.listener(Chunks("a", pb.GenerateChunk(queued_s=0.5)))
     on_a(_out("a", [5], "h"))
     outbox.flush(idle=False)  # a first token: at once
@@ -177,12 +185,7 @@ def test_a_first_token_goes_at_once_without_the_other_requests_tokens() -> None:
     """Requests that start one after another (1P1D: each as its push lands): a request's
     first chunk goes at the end of its step, the running requests' tokens of that step
     stay held for the interval."""
-    aio = new_event_loop()
-    thread = threading.Thread(target=aio.run_forever, daemon=True)
-    thread.start()
-    sent: list[pb.OutputColumns] = []
-    outbox = ColumnOutbox("r1", Bridge(aio), lambda _, m: sent.append(
-        pb.OutputColumns.FromString(m)), interval_s=60.0)
+    aio, thread, sent, outbox = _interval_outbox()
     on_a = outbox.listener(Chunks("a", pb.GenerateChunk(queued_s=0.5)))
     on_b = outbox.listener(Chunks("b", pb.GenerateChunk(queued_s=0.25)))
     outbox.take([(on_a, _out("a", [5], "h"))])
