@@ -13,6 +13,13 @@ STREAM_INTERVAL_HELP = (
     "milliseconds: a request's tokens of the steps between go as one chunk, so the router "
     "and the client pay per chunk, not per token, where steps are short (a small model); "
     "a first token goes at once (default: 0, every step)")
+STREAM_CHUNK_RATE = 10_000  # node/outbox.CHUNK_RATE, not imported: --help stays instant
+STREAM_CHUNK_RATE_HELP = (
+    "while the engine steps, send each router at most this many chunks a second: N "
+    "requests running get a chunk each at most every N/RATE seconds (128 streams at the "
+    "default: every 12.8 ms), so under load a request's tokens go a few to a chunk and "
+    "the router keeps up; with few streams every step still goes at once (0: no cap; "
+    "default: %(default)s)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -167,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "and wait in the router's queue (default: %(default)s)")
     node.add_argument("--stream-interval-ms", type=float, default=0.0, metavar="MS",
                       help=STREAM_INTERVAL_HELP)
+    node.add_argument("--stream-chunk-rate", type=float, default=STREAM_CHUNK_RATE,
+                      metavar="RATE", help=STREAM_CHUNK_RATE_HELP)
     node.add_argument("--index", default=None, metavar="URL",
                       help="a shared block-hash index (redis://host:port/db) this node "
                            "publishes its KV blocks to; without it, routers follow the "
@@ -239,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: --device)")
     g.add_argument("--stream-interval-ms", type=float, default=0.0, metavar="MS",
                    help=STREAM_INTERVAL_HELP)
+    g.add_argument("--stream-chunk-rate", type=float, default=STREAM_CHUNK_RATE,
+                   metavar="RATE", help=STREAM_CHUNK_RATE_HELP)
     g.add_argument("--decode-max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="the decode (or colocated) nodes' token budget per step: smaller "
                         "than the prefill nodes', the prompts a decode node computes "

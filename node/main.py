@@ -38,7 +38,8 @@ def run_node(args: argparse.Namespace) -> int:
                            transfer_port=args.transfer_port,
                            advertise_host=args.advertise_host,
                            max_requests=args.max_requests, send_columns=send_columns,
-                           stream_interval_s=args.stream_interval_ms / 1000)
+                           stream_interval_s=args.stream_interval_ms / 1000,
+                           stream_chunk_rate=args.stream_chunk_rate)
 
     # gRPC, and the Outputs streams' per-token work, in a process of their own: they
     # would take the GIL from the engine thread here (node/calls.py).

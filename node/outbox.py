@@ -22,6 +22,12 @@ from tandem.protos import node_pb2 as pb
 
 Output = RequestOutput | BaseException
 
+# A node's Outputs stream to one router carries at most this many chunks a second while
+# its engine steps (`ColumnOutbox`): every hop after the engine pays per chunk (the
+# router's loop ~15-20 us each, most of it the client socket's write), so many streams
+# at short steps would ask one router for more chunks than it can write.
+CHUNK_RATE = 10_000
+
 
 class Chunks:
     """One request's outputs as chunks: the tokens each output adds, its text, the first
@@ -225,12 +231,16 @@ class ColumnOutbox(_Stream):
     engine thread gathers each step's outputs as `Columns` and `flush` (after the step)
     hands them to `send(subscriber, message)`, at most once per `interval_s` while the
     engine steps (the stream interval: a request's tokens of the steps between go as one
-    chunk, and every hop after pays per chunk, not per token); `batches` only opens the
-    stream and holds it until `close()`. Its listeners carry it as their sink
+    chunk, and every hop after pays per chunk, not per token), and no more often than
+    keeps the stream under `chunk_rate` chunks a second (0: no cap): N requests running
+    get a chunk each at most every N / `chunk_rate` seconds, so the interval grows with
+    the load and is no longer than a step's where few requests run. `batches` only opens
+    the stream and holds it until `close()`. Its listeners carry it as their sink
     (`ColumnListener`); `closed` as `Outbox`'s."""
 
     def __init__(self, subscriber: str, bridge: Bridge,
-                 send: Callable[[str, bytes], None], interval_s: float = 0.0) -> None:
+                 send: Callable[[str, bytes], None], interval_s: float = 0.0,
+                 chunk_rate: float = CHUNK_RATE) -> None:
         super().__init__(subscriber)
         self._bridge, self._send = bridge, send
         # The engine thread's: requests' first chunks, sent at once, and the rest, held
@@ -239,6 +249,9 @@ class ColumnOutbox(_Stream):
         # step has one, and the interval would hold nothing back.
         self._firsts, self._columns = Columns(), Columns()
         self.interval_s = interval_s
+        # A chunk per request running, so this long between sends for each of them.
+        self._per_stream_s = 1.0 / chunk_rate if chunk_rate > 0 else 0.0
+        self._streams = 0  # the most requests of one step's outputs since the last send
         self._sent_at = float("-inf")  # time.monotonic() of the last send
 
     def listener(self, chunks: Chunks) -> ColumnListener:
@@ -253,6 +266,7 @@ class ColumnOutbox(_Stream):
         token of a running request that has had its first chunk: four appends."""
         if self.closed.is_set():
             return
+        self._streams = max(self._streams, len(items))
         columns = self._columns
         ids, nums, tokens, texts = (columns.request_ids, columns.num_tokens,
                                     columns.token_ids, columns.texts)
@@ -274,23 +288,25 @@ class ColumnOutbox(_Stream):
     def flush(self, idle: bool = True) -> None:
         """On the engine thread, after a step: send what the steps since the last send
         gathered; then their finished requests' Generate calls may end. Requests' first
-        chunks go at once; the rest are held while less than `interval_s` has passed
-        since they were last sent, unless the engine is `idle`."""
+        chunks go at once; the rest are held while less than `interval_s` (or the chunk
+        rate's, at the most requests a step has had since) has passed since they were
+        last sent, unless the engine is `idle`."""
         firsts, columns = self._firsts, self._columns
         if not (firsts.request_ids or columns.request_ids):
             return
         now = time.monotonic()
-        due = idle or now - self._sent_at >= self.interval_s
+        due = idle or now - self._sent_at >= max(self.interval_s,
+                                                 self._streams * self._per_stream_s)
         if firsts.request_ids:
             self._firsts = Columns()
             if not columns.request_ids:  # the new requests' next tokens wait an interval
                 self._sent_at = now
             elif due:  # one message
                 firsts.extend(columns)
-                self._columns, self._sent_at = Columns(), now
+                self._columns, self._sent_at, self._streams = Columns(), now, 0
             self._ship(firsts)
         elif due:
-            self._columns, self._sent_at = Columns(), now
+            self._columns, self._sent_at, self._streams = Columns(), now, 0
             self._ship(columns)
 
     def _ship(self, columns: Columns) -> None:

@@ -40,7 +40,7 @@ from tandem.node.aio import Bridge, engine_call, new_event_loop
 from tandem.node.errors import Status, rpc
 from tandem.node.events import BlockEvents
 from tandem.node.loop import EngineLoop
-from tandem.node.outbox import CallStream, Chunks, ColumnOutbox, Outbox
+from tandem.node.outbox import CHUNK_RATE, CallStream, Chunks, ColumnOutbox, Outbox
 from tandem.node.pull import Puller, StalePull, serve_pull
 from tandem.node.timeouts import TIMEOUTS, Timeouts
 from tandem.prefill_node.role import PrefillRole, Pull, sendable_first
@@ -62,7 +62,7 @@ class NodeService(pb_grpc.NodeServicer):
                  timeouts: Timeouts = TIMEOUTS, max_requests: int = MAX_REQUESTS,
                  transfer_port: int = 0, advertise_host: str | None = None,
                  send_columns: Callable[[str, bytes], None] | None = None,
-                 stream_interval_s: float = 0.0,
+                 stream_interval_s: float = 0.0, stream_chunk_rate: float = CHUNK_RATE,
                  **connector_options: object) -> None:
         """`index`: a shared block-hash index (Redis) this node publishes its blocks to,
         as its address (`serve` sets it); routers also follow `BlockEvents`.
@@ -74,7 +74,8 @@ class NodeService(pb_grpc.NodeServicer):
         `advertise_host` (default: `transfer_host`). `send_columns`: the Outputs
         streams' batches are made by the gRPC front's process (`node/front.py`); each
         step's outputs go to it from the engine thread (`ColumnOutbox`), at most once per
-        `stream_interval_s` while the engine steps (a first token goes at once)."""
+        `stream_interval_s` while the engine steps (a first token goes at once), and at
+        most `stream_chunk_rate` chunks a second to each subscriber."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
         self.role = ROLES[role]
@@ -105,6 +106,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.aborted: dict[asyncio.Task, str] = {}  # cancelled by an Abort: why
         self._outboxes: dict[str, Outbox | ColumnOutbox] = {}  # Outputs streams, by subscriber
         self._send_columns, self.stream_interval_s = send_columns, stream_interval_s
+        self.stream_chunk_rate = stream_chunk_rate
         if send_columns is not None:
             self.loop.add_flush(self._flush_columns)
 
@@ -158,7 +160,7 @@ class NodeService(pb_grpc.NodeServicer):
             raise ValueError("subscriber is empty")
         outbox = (Outbox(request.subscriber, self.bridge) if self._send_columns is None
                   else ColumnOutbox(request.subscriber, self.bridge, self._send_columns,
-                                    self.stream_interval_s))
+                                    self.stream_interval_s, self.stream_chunk_rate))
         old, self._outboxes[request.subscriber] = (
             self._outboxes.get(request.subscriber), outbox)
         if old is not None:

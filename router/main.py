@@ -280,6 +280,7 @@ def _engine_flags(args: argparse.Namespace, node: NodePlan) -> list[str]:
         flags += ["--cpu-weights", args.cpu_weights]
     if args.stream_interval_ms:
         flags += ["--stream-interval-ms", str(args.stream_interval_ms)]
+    flags += ["--stream-chunk-rate", str(args.stream_chunk_rate)]
     return flags
 
 

@@ -16,6 +16,7 @@ import time
 import urllib.request
 from asyncio import AbstractEventLoop
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -27,6 +28,7 @@ from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.node.aio import Bridge, new_event_loop
 from tandem.node.front import merge_columns
+from tandem.node import outbox as outbox_module
 from tandem.node.loop import EngineLoop
 from tandem.node.outbox import Chunks, ColumnOutbox
 from tandem.protos import node_pb2 as pb
@@ -151,15 +153,17 @@ def test_an_engine_loop_hands_a_steps_outputs_to_a_column_outbox_at_once() -> No
     assert sorted(heads) == ["r0", "r1", "r2", "r4"]  # once each
 
 
-def _interval_outbox() -> tuple[AbstractEventLoop, threading.Thread, list[pb.OutputColumns],
+def _interval_outbox(interval_s: float = 60.0, chunk_rate: float = 0.0
+                     ) -> tuple[AbstractEventLoop, threading.Thread, list[pb.OutputColumns],
                                 ColumnOutbox]:
-    """A column outbox with a 60 s interval on a running loop, noting what it sends."""
+    """A column outbox (a 60 s interval, no chunk rate) on a running loop, noting what it
+    sends."""
     aio = new_event_loop()
     thread = threading.Thread(target=aio.run_forever, daemon=True)
     thread.start()
     sent: list[pb.OutputColumns] = []
     outbox = ColumnOutbox("r1", Bridge(aio), lambda _, m: sent.append(
-        pb.OutputColumns.FromString(m)), interval_s=60.0)
+        pb.OutputColumns.FromString(m)), interval_s, chunk_rate)
     return aio, thread, sent, outbox
 
 
@@ -204,6 +208,50 @@ def test_a_first_token_goes_at_once_without_the_other_requests_tokens() -> None:
     assert list(merge_columns([sent[2]]).chunks) == [
         pb.GenerateChunk(request_id="a", token_ids=[6, 7], text="ey"),
         pb.GenerateChunk(request_id="b", token_ids=[9], text="z")]
+
+
+def test_the_chunk_rate_holds_each_stream_longer_the_more_requests_run(monkeypatch) -> None:
+    """`--stream-chunk-rate`: N requests running get a chunk each at most every N / rate
+    seconds (first tokens at once); the tokens held go in the next chunk, none lost."""
+    now = [0.0]
+    monkeypatch.setattr(outbox_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    aio, thread, sent, outbox = _interval_outbox(interval_s=0.0, chunk_rate=100.0)
+    on = {r: outbox.listener(Chunks(r, pb.GenerateChunk())) for r in "abcd"}
+    tokens = {r: [] for r in "abcd"}
+
+    def step(at: float, rids: str) -> int:
+        now[0] = at
+        for r in rids:
+            tokens[r].append(len(tokens[r]) + 10)
+        outbox.take([(on[r], _out(r, list(tokens[r]), "t")) for r in rids])
+        before = len(sent)
+        outbox.flush(idle=False)
+        return len(sent) - before
+
+    assert step(0.0, "ab") == 1  # first tokens: at once
+    assert step(0.015, "ab") == 0  # two streams at 100 a second: one each per 20 ms
+    assert step(0.021, "ab") == 1
+    assert step(0.022, "abcd") == 1  # c's and d's first tokens alone; a's and b's held
+    assert step(0.045, "abcd") == 0  # four streams: 40 ms since the last send
+    assert step(0.062, "abcd") == 1
+    outbox.flush(idle=True)
+    aio.call_soon_threadsafe(aio.stop)
+    thread.join(5)
+    assert [sorted(m.request_ids) for m in sent] == [
+        ["a", "b"], ["a", "a", "b", "b"], ["c", "d"], ["a"] * 3 + ["b"] * 3 + ["c"] * 2 + ["d"] * 2]
+    got = {c.request_id: list(c.token_ids) for c in merge_columns(sent).chunks}
+    assert got == tokens
+
+
+def test_without_a_chunk_rate_every_step_goes() -> None:
+    aio, thread, sent, outbox = _interval_outbox(interval_s=0.0)
+    listeners = [outbox.listener(Chunks(r, pb.GenerateChunk())) for r in "abcdefgh"]
+    for n in range(1, 4):
+        outbox.take([(on, _out(on.chunks.request_id, list(range(n)), "t")) for on in listeners])
+        outbox.flush(idle=False)
+    aio.call_soon_threadsafe(aio.stop)
+    thread.join(5)
+    assert len(sent) == 3
 
 
 def test_a_stream_interval_sends_fewer_chunks_with_the_same_tokens() -> None:
