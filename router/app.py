@@ -43,7 +43,7 @@ from tandem.router.metrics import RouterMetrics
 from tandem.router.planner import Planner, PlannerSettings
 from tandem.router.pool import Pool
 from tandem.router.protocol import APIError, ChatRequest, CompletionRequest
-from tandem.router.sse import ClientGone, EventStream, Shape, event, until_gone, usage
+from tandem.router.sse import DONE, ClientGone, EventStream, Shape, event, until_gone, usage
 
 log = logging.getLogger(__name__)
 
@@ -234,24 +234,32 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     async def _sse(first: pb.GenerateChunk, chunks: AsyncIterator[pb.GenerateChunk],
                    shape: Shape, include_usage: bool, started: float) -> AsyncIterator[str]:
+        """The stream's events; the last chunk's goes with the usage and `[DONE]`, in
+        the one write that ends the response."""
+        end = ""
         try:
-            if shape.chat:
-                yield event(shape.chunk({"role": "assistant", "content": ""}, None))
+            role = (event(shape.chunk({"role": "assistant", "content": ""}, None))
+                    if shape.chat else "")
             last = first
-            yield shape.event(first)
-            async for chunk in chunks:  # the flow observes the ITL
+            if first.finish_reason:  # the last: it ends the stream (below)
+                end = role + shape.event(first)
+            else:
+                yield role + shape.event(first)
+            async for chunk in chunks:  # to their end: the flow sees the request finish
                 last = chunk
-                yield shape.event(chunk)
+                if chunk.finish_reason:
+                    end = shape.event(chunk)
+                else:
+                    yield shape.event(chunk)
             _observe_end(last, started)
             if include_usage:
-                yield event({**shape.chunk(None, None), "choices": [],
-                             "usage": usage(last)})
+                end += event({**shape.chunk(None, None), "choices": [], "usage": usage(last)})
         except StreamBroken as exc:
             metrics.errors.labels("502").inc()
-            yield event(APIError(str(exc), status=502, kind="server_error").body())
+            end += event(APIError(str(exc), status=502, kind="server_error").body())
         finally:
             await chunks.aclose()  # a client gone mid-stream: the flow aborts the request
-        yield "data: [DONE]\n\n"
+        yield end + DONE
 
     def _observe_end(last: pb.GenerateChunk, started: float) -> None:
         metrics.e2e.observe(time.monotonic() - started)

@@ -70,10 +70,14 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
+DONE = "data: [DONE]\n\n"  # a stream's last event
+
+
 class EventStream(Response):
     """A 200 `text/event-stream` response of the texts `events` yields, each sent as
-    it comes. When the client goes away the stream stops and `events` is closed (its
-    `finally` runs: the request is aborted upstream)."""
+    it comes; one that ends with `DONE` ends the response in the same write. When the
+    client goes away the stream stops and `events` is closed (its `finally` runs: the
+    request is aborted upstream)."""
 
     media_type = "text/event-stream"
 
@@ -92,8 +96,11 @@ class EventStream(Response):
     async def _stream(self, send: Send) -> None:
         try:
             async for event in self.events:
+                last = event.endswith(DONE)
                 await send({"type": "http.response.body", "body": event.encode(),
-                            "more_body": True})
+                            "more_body": not last})
+                if last:
+                    return
         finally:
             await self.events.aclose()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
