@@ -8,9 +8,10 @@ for two trees in turn on one machine to compare them (these hosts' speed drifts 
    `tandem bench serve` bursts of the same shape at rate inf.
 3. The offline process again.
 
-`--trace DIR` runs each `tandem up` with TANDEM_TRACE (one file per configuration, for
-`burst_trace.py --timeline`) and notes, per burst, the CPU seconds of the bench client and
+Each burst notes the chunks a request came in and the CPU seconds of the bench client and
 of each process `tandem up` started (the router, each node's engine process, its front).
+`--trace DIR` runs each `tandem up` with TANDEM_TRACE (one file per configuration, for
+`burst_trace.py --timeline`).
 
     ln -sfn $PWD /tmp/site/tandem && python benchmarks/serve_5b_ab.py new out_new.json
     ln -sfn $PWD/.old /tmp/site/tandem && \
@@ -58,7 +59,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--up-flags", default="", help="more flags for both `tandem up`s, one "
                    "string (e.g. \"--stream-interval-ms 5\")")
     p.add_argument("--trace", type=Path, default=None, help="trace into DIR/<config>.jsonl "
-                   "and note each process's CPU per burst (default: neither)")
+                   "(default: no trace)")
     p.add_argument("--config", action="append", default=None, metavar="NAME=FLAGS",
                    help="a served configuration: its name and its `tandem up` flags, one "
                    "string; repeat for more (default: colocated=\"--colocated 1\" and "
@@ -167,7 +168,7 @@ def served(flags: list[str], bursts: int, port: int, trace: Path | None = None,
             subprocess.run([sys.executable, "-m", "tandem.cli", "bench", "serve",
                             "--base-url", url, "--num-prompts", "256" if i else "16",
                             "--random-input-len", "128", "--random-output-len", "256",
-                            "--seed", str(i), "--save-result", "--result-dir",
+                            "--seed", str(i), "--save-result", "--save-detailed", "--result-dir",
                             str(result.parent), "--result-filename", result.name,
                             "--disable-tqdm"], check=True, capture_output=True, env=env)
             _stop(spies)
@@ -175,12 +176,14 @@ def served(flags: list[str], bursts: int, port: int, trace: Path | None = None,
             res = json.loads(result.read_text())
             result.unlink()
             if i:
+                chunks = sum(len(itl) + 1 for itl in res["itls"])  # a first, then an ITL each
                 rows.append({"tok_s": res["output_throughput"], "completed": res["completed"],
                              "median_ttft_ms": res["median_ttft_ms"],
-                             "duration_s": res["duration"]})
-                if trace:
-                    rows[-1]["cpu_s"] = {"client": round(client, 3), **{
-                        k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}}
+                             "duration_s": res["duration"],
+                             "chunks_per_request": round(chunks / res["completed"], 1),
+                             "cpu_s": {"client": round(client, 3), **{
+                                 k: round(v - before.get(k, 0.0), 3)
+                                 for k, v in after.items()}}})
         return rows
     finally:
         os.killpg(up.pid, signal.SIGINT)
@@ -207,8 +210,8 @@ def main() -> None:
         print(args.label, name, [round(r["tok_s"]) for r in rows], "ttft",
               [round(r["median_ttft_ms"]) for r in rows], flush=True)
         for r in rows:
-            if "cpu_s" in r:
-                print("  ", r["duration_s"], r["cpu_s"], flush=True)
+            print("  ", r["duration_s"], "s,", r["chunks_per_request"], "chunks a request,",
+                  r["cpu_s"], flush=True)
     result["offline_after_tok_s"] = offline(max(1, args.offline_bursts - 1),
                                             args.mixed_cuda_graphs)
     print(args.label, "offline after", [round(x) for x in result["offline_after_tok_s"]],
