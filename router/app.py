@@ -35,8 +35,9 @@ from tandem.engine.tokenizer import Tokenizer
 from tandem.node import convert
 from tandem.protos import node_pb2 as pb
 from tandem.router.admin import Operations, add_admin_routes
+from tandem.router.fast_routes import FastRoutes, error_response, internal_error_response
 from tandem.router.flow import Flow, FlowConfig, StreamBroken
-from tandem.router.guard import RETRY_AFTER_S, Authenticate, ConcurrencyLimit, Credentials
+from tandem.router.guard import Authenticate, ConcurrencyLimit, Credentials
 from tandem.router.index import RouterIndex
 from tandem.router.limits import Limits
 from tandem.router.metrics import RouterMetrics
@@ -91,9 +92,6 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     app = FastAPI(title="Tandem", lifespan=lifespan)
     app.state.pool, app.state.metrics, app.state.planner = pool, metrics, planner
-    # The last added runs first: a caller without the key takes no concurrency slot.
-    app.add_middleware(ConcurrencyLimit, limit=settings.limits.max_concurrent_requests)
-    app.add_middleware(Authenticate, credentials=settings.credentials)
 
     @app.exception_handler(HTTPException)  # 404, 405, ...: the same JSON as the rest
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
@@ -107,17 +105,15 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("request failed")
-        error = APIError(f"internal error: {type(exc).__name__}", status=500, kind="server_error")
-        return JSONResponse(error.body(), status_code=500)
+        return internal_error_response(exc)
+
+    def count_error(exc: APIError) -> None:
+        metrics.errors.labels(str(exc.status)).inc()
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        metrics.errors.labels(str(exc.status)).inc()
-        # No capacity now (the queue full, every node down or a deadline passed in the
-        # queue): worth retrying soon.
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status in (429, 503) else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        count_error(exc)
+        return error_response(exc)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -147,7 +143,6 @@ def create_app(settings: RouterSettings) -> FastAPI:
             raise APIError(f"this server runs without a tokenizer (--skip-tokenizer-init): "
                            f"{what}", param, "tokenizer_skipped")
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest, settings.model, limits)
         prompt = body.single_prompt()
@@ -161,7 +156,6 @@ def create_app(settings: RouterSettings) -> FastAPI:
                                       DEFAULT_MAX_TOKENS, settings.generation_defaults)
         return await _respond(request, body, ids, params, chat=False)
 
-    @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await _parse(request, ChatRequest, settings.model, limits)
         need_tokenizer("chat needs a chat template; use /v1/completions with token ids",
@@ -174,6 +168,16 @@ def create_app(settings: RouterSettings) -> FastAPI:
         params = body.sampling_params(max_tokens, DEFAULT_MAX_TOKENS,
                                       settings.generation_defaults)
         return await _respond(request, body, ids, params, chat=True)
+
+    # Served by FastRoutes; the routes registered with FastAPI too keep the schema and
+    # its 405 for another method. The last middleware added runs first: a caller without
+    # the key takes no concurrency slot.
+    fast = {"/v1/completions": completions, "/v1/chat/completions": chat}
+    for path, handler in fast.items():
+        app.post(path)(handler)
+    app.add_middleware(FastRoutes, routes=fast, on_error=count_error)
+    app.add_middleware(ConcurrencyLimit, limit=settings.limits.max_concurrent_requests)
+    app.add_middleware(Authenticate, credentials=settings.credentials)
 
     def _max_tokens(num_prompt: int, asked: int | None, default: int | None) -> int | None:
         """`asked`, refused if the prompt and it do not fit the context; without it,

@@ -101,7 +101,7 @@ def run_router(args: argparse.Namespace) -> int:
                                      args.node or []))
     freeze_startup()
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                loop=args.http_loop, http=args.http_parser)
+                loop=args.http_loop, http=args.http_parser, access_log=False)
     return 0
 
 
@@ -224,8 +224,10 @@ def run_up(args: argparse.Namespace) -> int:
             watched.append((node, child, address))
             print(f"{node.role} node ready at {address} on {node.device}", flush=True)
         app = create_app(router_settings(args, addresses["prefill"], addresses["decode"]))
+        # No access log: below the warning level it is never shown, yet uvicorn would
+        # still make each request's line.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                loop=args.http_loop, http=args.http_parser)
+                                loop=args.http_loop, http=args.http_parser, access_log=False)
         server = uvicorn.Server(config)
         freeze_startup()
         threading.Thread(target=_announce, args=(server, args), daemon=True).start()
