@@ -26,9 +26,9 @@ from tandem.engine.config import EngineConfig, SchedulerConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
+from tandem.node import outbox as outbox_module
 from tandem.node.aio import Bridge, new_event_loop
 from tandem.node.front import merge_columns
-from tandem.node import outbox as outbox_module
 from tandem.node.loop import EngineLoop
 from tandem.node.outbox import Chunks, ColumnOutbox
 from tandem.protos import node_pb2 as pb
