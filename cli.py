@@ -198,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a node whose role is read from the node itself; repeat for "
                              "several (one decode node at least, given by any of the three "
                              "flags; more can be added later with `tandem ctl nodes add`)")
+    router.add_argument("--reuse-port", action="store_true",
+                        help="bind --port with SO_REUSEPORT, so that several routers serve "
+                             "one port, the kernel spreading the connections among them "
+                             "(`tandem up --routers`)")
     _add_router_args(router)
     g = router.add_argument_group("model (for the tokenizer and the chat template)")
     g.add_argument("--model", default=DEFAULT_MODEL,
@@ -230,6 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "time-sliced (an H200, 1P1D on one card: +9%% output tok/s): auto "
                          "where nvidia-cuda-mps-control is on PATH (without it if it will "
                          "not start), on insists, off never (default: %(default)s)")
+    up.add_argument("--routers", type=int, default=1, metavar="N",
+                    help="router processes on --port (SO_REUSEPORT: the kernel spreads the "
+                         "connections among them), each with the nodes' streams of its own, "
+                         "as router replicas behind a Service; one process writes every "
+                         "token of its streams, so many streams at short steps want more. "
+                         "The planner runs in the first alone, and /metrics is the "
+                         "answering router's (default: %(default)s)")
     up.add_argument("--connector", default="tcp", choices=["tcp", "ucx", "nccl", "ipc"],
                     help="how KV moves from the prefill to the decode node "
                          "(default: %(default)s)")

@@ -10,6 +10,7 @@ import queue
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -37,7 +38,9 @@ from tandem.router.planner import PlannerSettings
 log = logging.getLogger("tandem.router")
 
 NODE_START_TIMEOUT_S = 600  # loading (and on first use converting) the weights
+ROUTER_BACKLOG = 2048  # connections waiting for their accept (uvicorn's default)
 _READY = re.compile(r"tandem node ready: .* grpc=(\S+)")
+_ROUTER_READY = re.compile(r"tandem router ready: pid (\d+)")
 
 
 def flow_config(args: argparse.Namespace) -> FlowConfig:
@@ -99,10 +102,83 @@ def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     app = create_app(router_settings(args, args.prefill or [], args.decode or [],
                                      args.node or []))
+    sockets = [listen(args.host, args.port)] if args.reuse_port else None
+    server = _server(app, args)
     freeze_startup()
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                loop=args.http_loop, http=args.http_parser, access_log=False)
+    threading.Thread(target=_say_ready, args=(server,), daemon=True).start()
+    server.run(sockets=sockets)
     return 0
+
+
+def _say_ready(server: uvicorn.Server) -> None:
+    """The line `tandem up` waits for from a router it started, once it serves."""
+    while not server.started:
+        time.sleep(0.05)
+    print(f"tandem router ready: pid {os.getpid()}", flush=True)
+
+
+def _server(app: object, args: argparse.Namespace) -> uvicorn.Server:
+    # No access log: below the warning level it is never shown, yet uvicorn would still
+    # make each request's line.
+    return uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="warning", loop=args.http_loop,
+        http=args.http_parser, access_log=False))
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on `host`:`port` that other processes may bind too
+    (SO_REUSEPORT): the kernel spreads the connections over every router bound there."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(address)
+    sock.listen(ROUTER_BACKLOG)
+    return sock
+
+
+# The flags of `tandem up` that `tandem router` takes too, by their dest, except these:
+# the pools (given as addresses), the port (the first router's), the planner (the first
+# router's alone) and the secrets (by the environment: argv is public).
+_NOT_PASSED = {"help", "func", "prefill", "decode", "node", "port", "reuse_port", "planner",
+               "api_key", "api_key_file", "admin_token", "admin_token_file",
+               "cluster_secret", "cluster_secret_file"}
+
+
+def router_argv(args: argparse.Namespace, addresses: dict[str, list[str]], port: int
+                ) -> list[str]:
+    """`tandem router` flags for another router of this `tandem up`: the same settings,
+    the nodes it started, the first router's port."""
+    from tandem.cli import build_parser
+
+    router = build_parser()._subparsers._group_actions[0].choices["router"]  # noqa: SLF001
+    argv = ["--port", str(port), "--reuse-port", "--planner", "off"]
+    for role in ("prefill", "decode"):
+        for address in addresses[role]:
+            argv += [f"--{role}", address]
+    for action in router._actions:  # noqa: SLF001
+        if not action.option_strings or action.dest in _NOT_PASSED:
+            continue
+        value, flag = getattr(args, action.dest), action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif action.nargs == 0:  # store_true
+            argv += [flag] if value else []
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _secrets_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
+    """`env` with the router's API key and admin token, for another router to read."""
+    env = dict(env)
+    for flag, file, name in ((args.api_key, args.api_key_file, "TANDEM_API_KEY"),
+                             (args.admin_token, args.admin_token_file, "TANDEM_ADMIN_TOKEN")):
+        value = read_secret(flag, file, name)
+        if value is not None:
+            env[name] = value
+    return env
 
 
 @dataclass(frozen=True)
@@ -185,6 +261,8 @@ def run_up(args: argparse.Namespace) -> int:
     SIGTERM) stops them all."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     flow_config(args)  # bad flags fail before anything starts
+    if args.routers < 1:
+        raise ValueError("--routers must be 1 or more")
     plan = plan_nodes(args)
     env = dict(os.environ)
     # Without one given, a secret of this launch's own: its nodes obey only this router
@@ -213,27 +291,40 @@ def run_up(args: argparse.Namespace) -> int:
                 env=env)
             children.append(child)
         addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
-        watched: list[tuple[NodePlan, subprocess.Popen, str]] = []
+        watched: list[tuple[str, subprocess.Popen]] = []
         for node, child in zip(plan, children):
             try:
-                address = _wait_ready(child, node.role)
+                address = _wait_ready(child, f"{node.role} node")
             except RuntimeError as exc:  # its own error is above, on the shared stderr
                 print(f"tandem: error: {exc}", file=sys.stderr, flush=True)
                 return 1
             addresses[node.role].append(address)
-            watched.append((node, child, address))
+            watched.append((f"{node.role} node at {address}", child))
             print(f"{node.role} node ready at {address} on {node.device}", flush=True)
         app = create_app(router_settings(args, addresses["prefill"], addresses["decode"]))
-        # No access log: below the warning level it is never shown, yet uvicorn would
-        # still make each request's line.
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                loop=args.http_loop, http=args.http_parser, access_log=False)
-        server = uvicorn.Server(config)
+        sockets = [listen(args.host, args.port)] if args.routers > 1 else None
+        if sockets:  # the others bind the port this one has (a free one if --port 0)
+            port, routers_env = sockets[0].getsockname()[1], _secrets_env(args, env)
+            for i in range(1, args.routers):
+                child = subprocess.Popen(
+                    [sys.executable, "-m", "tandem.cli", "router",
+                     *router_argv(args, addresses, port)],
+                    stdout=subprocess.PIPE, text=True, start_new_session=True,
+                    env=routers_env)
+                children.append(child)
+                watched.append((f"router {i} on port {port}", child))
+            for what, child in watched[-(args.routers - 1):]:  # serving before "up"
+                try:
+                    _wait_ready(child, what, _ROUTER_READY)
+                except RuntimeError as exc:
+                    print(f"tandem: error: {exc}", file=sys.stderr, flush=True)
+                    return 1
+        server = _server(app, args)
         freeze_startup()
         threading.Thread(target=_announce, args=(server, args), daemon=True).start()
         threading.Thread(target=_watch, args=(watched,), daemon=True,
                          name="watch-nodes").start()
-        server.run()
+        server.run(sockets=sockets)
     except KeyboardInterrupt:
         pass
     finally:
@@ -286,8 +377,9 @@ def _engine_flags(args: argparse.Namespace, node: NodePlan) -> list[str]:
     return flags
 
 
-def _wait_ready(child: subprocess.Popen, role: str) -> str:
-    """The node's gRPC address, from its ready line; its other output is passed on."""
+def _wait_ready(child: subprocess.Popen, what: str, ready: re.Pattern = _READY) -> str:
+    """The node's gRPC address, from its ready line (or what `ready`'s group matches, for
+    another process); its other output is passed on."""
     lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
 
     def pump() -> None:
@@ -305,11 +397,11 @@ def _wait_ready(child: subprocess.Popen, role: str) -> str:
         except queue.Empty:
             continue
         if line is None:
-            raise RuntimeError(f"the {role} node exited with code {child.wait()} before it "
+            raise RuntimeError(f"the {what} exited with code {child.wait()} before it "
                                f"was ready")
-        if m := _READY.search(line):
+        if m := ready.search(line):
             return m.group(1)
-    raise RuntimeError(f"the {role} node was not ready within {NODE_START_TIMEOUT_S}s")
+    raise RuntimeError(f"the {what} was not ready within {NODE_START_TIMEOUT_S}s")
 
 
 def _announce(server: uvicorn.Server, args: argparse.Namespace) -> None:
@@ -319,19 +411,18 @@ def _announce(server: uvicorn.Server, args: argparse.Namespace) -> None:
           f"{args.served_model_name or args.model}); Ctrl-C stops it", flush=True)
 
 
-def _watch(nodes: list[tuple[NodePlan, subprocess.Popen, str]]) -> None:
-    """Say when a node process ends on its own, and reap it (the router marks the node
-    down at its next poll and stops reporting its figures)."""
-    alive = list(nodes)
+def _watch(children: list[tuple[str, subprocess.Popen]]) -> None:
+    """Say when a node process (or another router) ends on its own, and reap it (the
+    router marks the node down at its next poll and stops reporting its figures)."""
+    alive = list(children)
     while alive:
         time.sleep(1.0)
         for entry in list(alive):
-            plan, child, address = entry
+            what, child = entry
             code = child.poll()  # reaps it
             if code is not None:
                 alive.remove(entry)
-                log.error("the %s node at %s (pid %d) exited with code %d", plan.role,
-                          address, child.pid, code)
+                log.error("the %s (pid %d) exited with code %d", what, child.pid, code)
 
 
 def _stop(child: subprocess.Popen) -> None:
