@@ -119,6 +119,8 @@ class SamplingParams:
 
 
 def _int(name: str, value: object) -> int:
+    if type(value) is int:  # nearly always: no ABC check (every request makes params)
+        return value
     # bool is an Integral, but max_tokens=True is a caller bug, not 1.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an int, got {value!r}")
@@ -126,7 +128,8 @@ def _int(name: str, value: object) -> int:
 
 
 def _real(name: str, value: object, lo: float, hi: float, lo_open: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if type(value) is not float and type(value) is not int and (
+            isinstance(value, bool) or not isinstance(value, numbers.Real)):
         raise ValueError(f"{name} must be a number, got {value!r}")
     v = float(value)
     # Written so NaN fails every bound.
