@@ -56,14 +56,19 @@ def _connections(pid: int, port: int) -> int:
     return count
 
 
-def _open_stream(url: str) -> tuple[object, list[int]]:
-    """A streamed completion on a connection of its own, read up to its first token."""
+def _completion(url: str, stream: bool) -> object:
+    """The prompt's greedy completion, with the key, on a connection of its own."""
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": stream}
     req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json",
                                           "Authorization": f"Bearer {KEY}"})
-    resp = urllib.request.urlopen(req, timeout=120)
+    return urllib.request.urlopen(req, timeout=120)
+
+
+def _open_stream(url: str) -> tuple[object, list[int]]:
+    """A streamed completion, read up to its first token."""
+    resp = _completion(url, stream=True)
     tokens: list[int] = []
     while not tokens:
         line = resp.readline()
@@ -109,10 +114,5 @@ def test_routers_share_the_port_serve_alike_and_stop_together() -> None:
 
 def _reference(url: str) -> list[int]:
     """The prompt's greedy tokens, unstreamed."""
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
-            "ignore_eos": True}
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          "Authorization": f"Bearer {KEY}"})
-    with urllib.request.urlopen(req, timeout=120) as r:
+    with _completion(url, stream=False) as r:
         return json.loads(r.read())["choices"][0]["token_ids"]
